@@ -1,0 +1,69 @@
+"""Collectives as they appear in printed and saved rank programs, and group binding.
+
+Lowered graphs call ``torch.ops._c10d_functional`` with a symbolic group name such as
+``"tp[2,3]"``; ``bind_groups`` rewrites those names to the real process groups of a launched
+mesh. Saved standalone programs call the thin wrappers below instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+c10d = torch.ops._c10d_functional
+COLLECTIVES = {
+    c10d.all_reduce.default: "all_reduce",
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.wait_tensor.default: "wait",
+}
+_GROUPS: dict[str, str] = {}
+
+
+def group_arg_index(target: object) -> int | None:
+    """Position of the group-name argument of a lowered collective, if ``target`` is one."""
+    return {c10d.all_reduce.default: 2, c10d.all_gather_into_tensor.default: 2,
+            c10d.reduce_scatter_tensor.default: 3}.get(target)
+
+
+def bind_groups(gm: fx.GraphModule, names: dict[str, str]) -> fx.GraphModule:
+    """A copy of ``gm`` whose collectives use real process-group names (``names[symbolic]``)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        new = g.node_copy(n, lambda a: env[a])
+        i = group_arg_index(n.target)
+        if i is not None:
+            args = list(new.args)
+            args[i] = names[args[i]]
+            new.args = tuple(args)
+        env[n] = new
+    out = fx.GraphModule(gm, g)
+    out.recompile()
+    return out
+
+
+def register_group(symbolic: str, pg: dist.ProcessGroup) -> None:
+    """Make ``symbolic`` usable by saved programs (``comm.all_reduce(x, "sum", TP)``)."""
+    _GROUPS[symbolic] = pg.group_name
+
+
+def _resolve(group: str) -> str:
+    return _GROUPS.get(group, group)
+
+
+def all_reduce(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    return c10d.all_reduce(x, op, _resolve(group))
+
+
+def all_gather(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
+    return c10d.all_gather_into_tensor(x, n, _resolve(group))
+
+
+def reduce_scatter(x: torch.Tensor, op: str, n: int, group: str) -> torch.Tensor:
+    return c10d.reduce_scatter_tensor(x, op, n, _resolve(group))
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    return c10d.wait_tensor(x)

@@ -1,0 +1,9 @@
+"""fxpar: compile an unmodified PyTorch model into one program per rank of a device mesh."""
+
+from fxpar.api import parallelize
+from fxpar.errors import CaptureError, PlanError
+from fxpar.mesh import Mesh
+from fxpar.passes.propagate import FxparWarning
+from fxpar.runtime import ParallelModule
+
+__all__ = ["CaptureError", "FxparWarning", "Mesh", "ParallelModule", "PlanError", "parallelize"]

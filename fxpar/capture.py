@@ -1,0 +1,148 @@
+"""Capture: ``torch.export`` (non-strict) then AOTAutograd's joint forward+backward graph.
+
+Everything is traced on fake tensors with global shapes, so a model on the meta device (or
+far too large for this machine) compiles without allocating its parameters. The user's
+model is never modified: fake parameters are swapped in only for the duration of tracing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+
+from fxpar.errors import CaptureError
+from fxpar.ir import Program, Provenance, Signature
+from fxpar.mesh import Mesh
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...]) -> Program:
+    """Trace ``model(*example_inputs)`` into a global joint Program.
+
+    Requires: example inputs with global (unsharded) shapes; parameters on cpu, cuda or meta.
+    Ensures: every call_function/placeholder node has provenance (module, source, phase), and
+    the signature maps placeholders to parameter names, inputs and tangents.
+    """
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_state = _fake_state(model, fake_mode, mesh.device)
+    fake_args = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, mesh.device), example_inputs)
+    with _reparametrize_module(model, fake_state, tie_weights=True), fake_mode:
+        ep = _export(model, fake_args)
+        with ExitStack() as stack:
+            joint = aot_export_joint_with_descriptors(stack, ep.module(), fake_args)
+    gm = joint.graph_module
+    signature = _signature(gm, joint, fake_args)
+    provenance = {n.name: _provenance(n) for n in gm.graph.nodes if n.op != "output"}
+    return Program(gm=gm, mesh=mesh, signature=signature, provenance=provenance)
+
+
+def _fake_like(t: torch.Tensor, fake_mode: FakeTensorMode, device: str) -> torch.Tensor:
+    with fake_mode:
+        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+    return fake
+
+
+def _fake_state(model: torch.nn.Module, fake_mode: FakeTensorMode, device: str) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        state[name] = _fake_like(p, fake_mode, device)
+    for name, b in model.named_buffers():
+        state[name] = _fake_like(b, fake_mode, device)
+    return state
+
+
+def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(model, args, strict=False)
+    except Exception as e:  # noqa: BLE001 - every tracing failure becomes a CaptureError
+        raise CaptureError(_explain_trace_failure(model, e)) from e
+
+
+def _explain_trace_failure(model: torch.nn.Module, e: BaseException) -> str:
+    frame = _user_frame(e)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else "(no user frame found)"
+    hint = ""
+    if "data-dependent" in str(e).lower() or "data dependent" in str(e).lower():
+        hint = (
+            "\nhint: Python control flow that depends on tensor values cannot be compiled; "
+            "use torch.where / torch.cond, or make the branch depend on shapes only"
+        )
+    return f"cannot trace {type(model).__name__}: {type(e).__name__}: {first}\n  at {where}{hint}"
+
+
+def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame outside torch itself: the user's line."""
+    best = None
+    while e is not None:
+        for fr in traceback.extract_tb(e.__traceback__):
+            if not fr.filename.startswith(_TORCH_DIR) and "<" not in fr.filename and "fxpar" not in fr.filename:
+                best = fr
+        e = e.__cause__ or e.__context__
+    return best
+
+
+def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...]) -> Signature:
+    params, buffers, inputs, tangents = [], [], [], []
+    for n in gm.graph.find_nodes(op="placeholder"):
+        desc = n.meta["desc"]
+        kind = type(desc).__name__
+        if kind == "ParamAOTInput":
+            params.append((desc.target, n.name))
+        elif kind == "BufferAOTInput":
+            buffers.append((desc.target, n.name))
+        elif kind == "PlainAOTInput":
+            inputs.append(n.name)
+        elif kind == "TangentAOTInput":
+            tangents.append((n.name, desc.output.idx))
+        else:
+            raise CaptureError(f"unsupported graph input {n.name}: {desc}")
+    out = gm.graph.output_node()
+    descs = out.meta["desc"]
+    num_outputs = sum(type(d).__name__ == "PlainAOTOutput" for d in descs)
+    grads = tuple(
+        (d.grad_of.target, i)
+        for i, d in enumerate(descs)
+        if type(d).__name__ == "GradAOTOutput" and type(d.grad_of).__name__ == "ParamAOTInput"
+        and out.args[0][i] is not None
+    )
+    _, in_spec = pytree.tree_flatten(fake_args)
+    return Signature(
+        params=tuple(params), buffers=tuple(buffers), inputs=tuple(inputs), tangents=tuple(tangents),
+        num_outputs=num_outputs, grads=grads, out_spec=joint.out_spec, in_spec=in_spec,
+    )
+
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _provenance(n: fx.Node) -> Provenance:
+    phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
+    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+    module = list(stack.values())[-1][0] if stack else ""
+    module = _clean_module_path(module)
+    source = ""
+    frames = _FRAME_RE.findall(n.meta.get("stack_trace") or "")
+    user = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+    if user:
+        source = f"{os.path.basename(user[-1][0])}:{user[-1][1]}"
+    return Provenance(module=module, source=source, phase=phase)
+
+
+def _clean_module_path(path: str) -> str:
+    """``L['self'].layers[0].mlp`` / ``layers.0.mlp`` -> ``layers.0.mlp``."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")

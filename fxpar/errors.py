@@ -1,0 +1,18 @@
+"""User-facing errors. Internal invariants use ``assert``; the user's mistakes raise these."""
+
+from __future__ import annotations
+
+import difflib
+
+
+class PlanError(ValueError):
+    """The plan does not fit the model or the mesh (unknown module, bad style, ...)."""
+
+
+class CaptureError(RuntimeError):
+    """The model could not be traced; the message points at the user's source line."""
+
+
+def close_matches(word: str, candidates: list[str], n: int = 5) -> list[str]:
+    """Candidates that look like ``word``, best first (for 'did you mean' hints)."""
+    return difflib.get_close_matches(word, candidates, n=n, cutoff=0.4)

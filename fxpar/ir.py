@@ -1,0 +1,108 @@
+"""The global program: one joint forward+backward ``torch.fx`` graph plus typed side tables.
+
+Passes never mutate a ``Program``. Passes that only annotate return ``prog.replace(...)``:
+the same graph with new side tables (placements, redistributions), so the program before
+each pass stays printable and diffable without copying a large graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Placement
+
+from fxpar.mesh import Mesh
+
+# Placements of one tensor: one Placement per mesh axis.
+Placements = tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a node came from in the user's model."""
+
+    module: str  # module path, e.g. "layers.3.mlp.up" ("" for the root)
+    source: str  # "file.py:123" of the user's line, "" when unknown
+    phase: str  # "fwd" | "bwd"
+
+
+@dataclass(frozen=True)
+class Signature:
+    """How the joint graph's placeholders and outputs map to the user's model."""
+
+    params: tuple[tuple[str, str], ...]  # (fqn, placeholder name), in placeholder order
+    buffers: tuple[tuple[str, str], ...]
+    inputs: tuple[str, ...]  # placeholder names of the user's (flattened) inputs
+    tangents: tuple[tuple[str, int], ...]  # (placeholder name, index of the forward output)
+    num_outputs: int  # forward outputs come first in the output node
+    grads: tuple[tuple[str, int], ...]  # (param fqn, index in the output node)
+    out_spec: Any  # pytree spec of the forward outputs
+    in_spec: Any  # pytree spec of the user's inputs
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """Changing one argument of a node from ``src`` to ``dst`` placements."""
+
+    producer: str  # node name whose value is redistributed
+    src: Placements
+    dst: Placements
+
+
+@dataclass(frozen=True)
+class Program:
+    """A captured model as a global (unsharded) joint graph with annotations."""
+
+    gm: fx.GraphModule
+    mesh: Mesh
+    signature: Signature
+    provenance: dict[str, Provenance]
+    placements: dict[str, Any] = field(default_factory=dict)  # node -> Placements | tuple[...]
+    arg_placements: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # node -> per arg
+    passes: tuple[str, ...] = ("capture",)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def replace(self, pass_name: str | None = None, **changes: Any) -> Program:
+        """A new Program sharing the graph, with some side tables replaced."""
+        if pass_name is not None:
+            changes["passes"] = (*self.passes, pass_name)
+        return dataclasses.replace(self, **changes)
+
+    def node(self, name: str) -> fx.Node:
+        return self._nodes_by_name()[name]
+
+    def _nodes_by_name(self) -> dict[str, fx.Node]:
+        cache = self.notes.setdefault("_nodes", {})
+        if not cache:
+            cache.update({n.name: n for n in self.graph.nodes})
+        return cache
+
+    def verify(self) -> None:
+        """Check the invariants every pass must keep; raise AssertionError naming the node."""
+        self.graph.lint()
+        for n in self.graph.nodes:
+            if n.op in ("placeholder", "call_function", "get_attr"):
+                assert n.name in self.provenance, f"node {n.name} has no provenance"
+            if self.placements and _is_tensor(n):
+                p = self.placements.get(n.name)
+                assert p is not None, f"tensor node {n.name} has no placement after {self.passes[-1]}"
+
+
+def _is_tensor(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def tensor_val(n: Any) -> torch.Tensor | None:
+    """The fake global value of an fx node, if it is a tensor."""
+    if isinstance(n, fx.Node):
+        v = n.meta.get("val")
+        return v if isinstance(v, torch.Tensor) else None
+    return None

@@ -1,0 +1,314 @@
+"""lower: interpret the annotated global program for one rank and retrace local ops.
+
+Each global node becomes the same aten op on local shards (shape arguments rewritten to local
+shapes); each planned placement change becomes ``torch.ops._c10d_functional`` collectives
+with separate ``wait_tensor`` nodes. The result is one per-rank joint graph, then split into
+a forward graph and a backward graph. Collectives name their group symbolically
+(``"tp[2,3]"``); backends bind those names to process groups.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Shard
+
+from fxpar.ir import Placements, Program
+from fxpar.passes.insert_collectives import Step, consumed_tensors
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+DROPPED = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
+SHAPE_ARG = {
+    aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
+    aten.new_empty.default: 1, aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_full.default: 1,
+    aten.slice_backward.default: 1, aten.select_backward.default: 1,
+}
+SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """One collective a rank issues per step. ``bytes`` is the full tensor it reduces or produces."""
+
+    phase: str
+    op: str
+    axis: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+    group: tuple[int, ...]
+
+
+@dataclass
+class RankProgram:
+    """One rank's lowered program: the joint graph, its forward/backward split, and the ledger."""
+
+    rank: int
+    coord: tuple[int, ...]
+    joint: fx.GraphModule
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    saved: list[str]
+    ledger: list[LedgerRow] = field(default_factory=list)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # symbolic name -> ranks
+
+
+def group_name(axis: str, ranks: list[int] | tuple[int, ...]) -> str:
+    return f"{axis}[{','.join(map(str, ranks))}]"
+
+
+def local_shape(shape: torch.Size | tuple[int, ...], placements: Placements, sizes: tuple[int, ...]) -> list[int]:
+    out = list(shape)
+    for p, n in zip(placements, sizes, strict=True):
+        if isinstance(p, Shard):
+            assert out[p.dim] % n == 0, f"uneven shard of {tuple(shape)} on dim {p.dim} by {n}"
+            out[p.dim] //= n
+    return out
+
+
+class _Lowerer:
+    def __init__(self, prog: Program, rank: int) -> None:
+        self.prog, self.rank, self.mesh = prog, rank, prog.mesh
+        self.coord = self.mesh.coord(rank)
+        self.graph = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.cache: dict[tuple[str, Placements], fx.Node] = {}
+        self.ledger: list[LedgerRow] = []
+        self.groups: dict[str, tuple[int, ...]] = {}
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.constants: dict[str, torch.Tensor] = {}
+        self.phase = "fwd"
+
+    # -- emission helpers -------------------------------------------------------------------
+    def emit(self, target: Any, args: tuple, kwargs: dict | None = None, placements: Any = None,
+             module: str = "", name: str | None = None) -> fx.Node:
+        kwargs = kwargs or {}
+        node = self.graph.call_function(target, args, kwargs)
+        if name:
+            node.name = self.graph._graph_namespace.create_name(name, node)
+        vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+        with self.fake:
+            node.meta["val"] = target(*vals[0], **vals[1])
+        node.meta.update(placements=placements, module=module, phase=self.phase)
+        return node
+
+    def group(self, axis: str) -> str:
+        ranks = tuple(self.mesh.group_ranks(self.rank, axis))
+        name = group_name(axis, ranks)
+        self.groups[name] = ranks
+        return name
+
+    def record(self, op: str, axis: str, val: torch.Tensor) -> None:
+        self.ledger.append(LedgerRow(self.phase, op, axis, tuple(val.shape), val.dtype,
+                                     val.numel() * val.element_size(), self.groups[group_name(axis, self.mesh.group_ranks(self.rank, axis))]))
+
+    # -- redistribution ------------------------------------------------------------------
+    def redistribute(self, producer: str, dst: Placements, steps: tuple[Step, ...], module: str) -> fx.Node:
+        key = (producer, dst)
+        if key not in self.cache:
+            x = self.env[producer]
+            current = list(self.prog.placements[producer])
+            for step in steps:
+                current[self.mesh.axis_index(step.axis)] = step.dst
+                x = self.apply_step(x, step, tuple(current), module)
+            self.cache[key] = x
+        return self.cache[key]
+
+    def apply_step(self, x: fx.Node, step: Step, after: Placements, module: str) -> fx.Node:
+        n = self.mesh.axes[step.axis]
+        g = self.group(step.axis)
+        idx = self.coord[self.mesh.axis_index(step.axis)]
+        if step.op == "slice":
+            d = step.dst.dim
+            size = x.meta["val"].shape[d] // n
+            return self.emit(aten.slice.Tensor, (x, d, idx * size, (idx + 1) * size), placements=after, module=module)
+        if step.op == "all_reduce":
+            self.record("all_reduce", step.axis, x.meta["val"])
+            y = self.emit(c10d.all_reduce.default, (x, "sum", g), placements=after, module=module)
+            return self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module)
+        if step.op == "all_gather":
+            return self.gather(x, step.src.dim, n, g, step.axis, after, module)
+        if step.op == "reduce_scatter":
+            d = step.dst.dim
+            x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
+            x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
+            self.record("reduce_scatter", step.axis, x0.meta["val"])
+            y = self.emit(c10d.reduce_scatter_tensor.default, (x0, "sum", n, g), placements=after, module=module)
+            y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module)
+            return self.emit(aten.movedim.int, (y, 0, d), placements=after, module=module) if d else y
+        # all_to_all (shard dim i -> shard dim j), done as a gather then a local slice
+        full = self.gather(x, step.src.dim, n, g, step.axis, None, module, ledger_op="all_to_all")
+        d = step.dst.dim
+        size = full.meta["val"].shape[d] // n
+        return self.emit(aten.slice.Tensor, (full, d, idx * size, (idx + 1) * size), placements=after, module=module)
+
+    def gather(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
+               ledger_op: str = "all_gather") -> fx.Node:
+        x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
+        x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
+        y = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module)
+        y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module)
+        self.record(ledger_op, axis, y.meta["val"])
+        return self.emit(aten.movedim.int, (y, 0, d), placements=after, module=module) if d else y
+
+    # -- the walk ---------------------------------------------------------------------------
+    def run(self) -> fx.Graph:
+        plan = self.prog.notes["redistribute"]
+        for node in self.prog.graph.nodes:
+            prov = self.prog.provenance.get(node.name)
+            self.phase = prov.phase if prov else "fwd"
+            if node.op == "placeholder":
+                self.placeholder(node)
+            elif node.op == "get_attr":
+                self.get_attr(node)
+            elif node.op == "call_function":
+                self.call(node, plan, prov.module if prov else "")
+            elif node.op == "output":
+                self.output(node, plan)
+        return self.graph
+
+    def placeholder(self, node: fx.Node) -> None:
+        is_tangent = node.name.startswith("tangents")
+        self.phase = "bwd" if is_tangent else "fwd"
+        p = self.prog.placements[node.name]
+        val = node.meta["val"]
+        new = self.graph.placeholder(node.name)
+        with self.fake:
+            new.meta["val"] = torch.empty(local_shape(val.shape, p, self.mesh.shape), dtype=val.dtype, device=val.device)
+        new.meta.update(placements=p, module=self.prog.provenance[node.name].module, phase=self.phase)
+        self.env[node.name] = new
+        n_dp = self.mesh.axes.get("dp", 1)
+        if is_tangent and n_dp > 1 and isinstance(p[self.mesh.axis_index("dp")], Shard):
+            # Each dp rank differentiates its own local loss; dividing the incoming gradient by
+            # dp makes parameter gradients the mean over dp ranks, as DDP and FSDP do.
+            self.env[node.name] = self.emit(aten.div.Tensor, (new, n_dp), placements=p, name=f"{node.name}_dp_mean")
+
+    def get_attr(self, node: fx.Node) -> None:
+        value = getattr(self.prog.gm, node.target)
+        self.constants[node.target] = value
+        new = self.graph.get_attr(node.target)
+        new.meta.update(val=self.fake.from_tensor(value), placements=self.prog.placements[node.name], phase=self.phase,
+                        module="")
+        self.env[node.name] = new
+
+    def call(self, node: fx.Node, plan: dict, module: str) -> None:
+        if node.target in DROPPED:
+            return
+        placements = self.prog.placements.get(node.name)
+        if node.target is operator.getitem:
+            src = self.env[node.args[0].name]
+            self.env[node.name] = self.emit(operator.getitem, (src, node.args[1]), placements=placements,
+                                            module=module, name=node.name)
+            return
+        local_args = self.local_inputs(node, plan, module)
+        args, kwargs = pytree.tree_map_only(fx.Node, lambda a: local_args[a.name], (node.args, node.kwargs))
+        target, args = self.localize(node, args, placements)
+        self.env[node.name] = self.emit(target, args, kwargs, placements=placements, module=module, name=node.name)
+
+    def local_inputs(self, node: fx.Node, plan: dict, module: str) -> dict[str, fx.Node]:
+        out: dict[str, fx.Node] = {}
+        for pos, arg in enumerate(consumed_tensors(node)):
+            planned = plan.get((node.name, pos))
+            if planned is None:
+                out[arg.name] = self.env[arg.name]
+            else:
+                producer, dst, steps = planned
+                out[arg.name] = self.redistribute(producer, dst, steps, module)
+        for a in pytree.tree_leaves((node.args, node.kwargs)):
+            if isinstance(a, fx.Node) and a.name not in out:
+                out[a.name] = self.env[a.name]
+        return out
+
+    def localize(self, node: fx.Node, args: tuple, placements: Any) -> tuple[Any, tuple]:
+        """Rewrite global shape arguments to this rank's local shapes."""
+        target = node.target
+        if target in SHAPE_ARG and isinstance(placements, tuple) and any(isinstance(p, Shard) for p in placements):
+            i = SHAPE_ARG[target]
+            args = (*args[:i], local_shape(node.meta["val"].shape, placements, self.mesh.shape), *args[i + 1:])
+        if target in SQUEEZES:
+            shape = node.args[0].meta["val"].shape
+            dims = [args[1]] if target is aten.squeeze.dim else (args[1] if len(args) > 1 else range(len(shape)))
+            keep = [d for d in dims if shape[d] == 1]
+            target, args = aten.squeeze.dims, (args[0], keep)
+        return target, args
+
+    def output(self, node: fx.Node, plan: dict) -> None:
+        num_outputs = self.prog.signature.num_outputs
+        outs = []
+        for pos, arg in enumerate(node.args[0]):
+            self.phase = "fwd" if pos < num_outputs else "bwd"
+            planned = plan.get((node.name, pos))
+            if arg is None:
+                outs.append(None)
+            elif planned is not None:
+                producer, dst, steps = planned
+                outs.append(self.redistribute(producer, dst, steps, ""))
+            else:
+                outs.append(self.env[arg.name])
+        self.graph.output(tuple(outs))
+
+
+def lower(prog: Program, rank: int) -> RankProgram:
+    """Lower ``prog`` for ``rank``: a local joint graph, split into forward and backward."""
+    lowerer = _Lowerer(prog, rank)
+    graph = lowerer.run()
+    root = torch.nn.Module()
+    for name, value in lowerer.constants.items():
+        setattr(root, name, value)
+    joint = fx.GraphModule(root, graph)
+    fwd, bwd, saved = split_joint(joint, prog.signature.num_outputs, root)
+    return RankProgram(rank, lowerer.coord, joint, fwd, bwd, saved, lowerer.ledger, lowerer.groups)
+
+
+def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
+                ) -> tuple[fx.GraphModule, fx.GraphModule, list[str]]:
+    """Forward graph: fwd-phase nodes, returning user outputs + saved values. Backward graph:
+    saved values + tangents -> gradients."""
+    out_node = joint.graph.output_node()
+    outs = out_node.args[0]
+    fwd_g, bwd_g = fx.Graph(), fx.Graph()
+    fenv: dict[fx.Node, fx.Node] = {}
+    benv: dict[fx.Node, fx.Node] = {}
+    saved: list[fx.Node] = []
+
+    def bwd_arg(n: fx.Node) -> fx.Node:
+        if n not in benv:  # a forward value the backward needs: saved across the two graphs
+            ph = bwd_g.placeholder(f"saved_{n.name}")
+            ph.meta.update(n.meta)
+            benv[n] = ph
+            saved.append(n)
+        return benv[n]
+
+    for n in joint.graph.nodes:
+        if n.op == "output":
+            continue
+        is_bwd = n.meta.get("phase") == "bwd"
+        if not is_bwd:
+            fenv[n] = fwd_g.node_copy(n, lambda a: fenv[a])
+        else:
+            benv[n] = bwd_g.node_copy(n, bwd_arg)
+    # tangents first in the backward signature: move saved placeholders before them by order of use
+    fwd_g.output((*[fenv[o] for o in outs[:num_outputs]], *[fenv[s] for s in saved]))
+    bwd_g.output(tuple(None if o is None else (benv[o] if o in benv else bwd_arg(o)) for o in outs[num_outputs:]))
+    _placeholders_first(bwd_g)
+    return fx.GraphModule(root, fwd_g), fx.GraphModule(root, bwd_g), [s.name for s in saved]
+
+
+def _placeholders_first(g: fx.Graph) -> None:
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    first = next(iter(g.nodes))
+    for ph in phs:
+        first.prepend(ph)
+    saved = [p for p in phs if p.name.startswith("saved_")]
+    tangents = [p for p in phs if not p.name.startswith("saved_")]
+    anchor = next(iter(g.nodes))
+    for ph in saved + tangents:
+        anchor.append(ph) if ph is not anchor else None
+        anchor = ph

@@ -1,0 +1,66 @@
+"""The compiler, top to bottom: one ordered list of passes, one comment each."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxpar.ir import Program
+
+
+@dataclass
+class Context:
+    """What passes may read besides the Program: the user's model and plan, and timings."""
+
+    model: torch.nn.Module
+    plan: dict[str, str] | None
+    timings: dict[str, float] = field(default_factory=dict)
+    debug: int = int(os.environ.get("FXPAR_DEBUG", "0"))
+
+
+Pass = Callable[[Program, Context], Program]
+
+
+def passes() -> list[tuple[str, Pass]]:
+    """The pass pipeline, in order."""
+    from fxpar.passes.annotate import annotate
+    from fxpar.passes.insert_collectives import insert_collectives
+    from fxpar.passes.propagate import propagate
+
+    return [
+        ("annotate", annotate),  # plan + mesh -> placements of params, buffers, inputs
+        ("propagate", propagate),  # sharding through every op of the joint graph (fxpar policy on DTensor rules)
+        ("insert_collectives", insert_collectives),  # placement changes -> explicit collectives + ledger
+    ]
+
+
+def run_pipeline(prog: Program, ctx: Context) -> Program:
+    """Run every pass; time each; verify after each one in debug runs."""
+    for name, fn in passes():
+        start = time.perf_counter()
+        prog = fn(prog, ctx)
+        ctx.timings[name] = time.perf_counter() - start
+        if ctx.debug:
+            _verify(prog, name)
+    return prog
+
+
+def _verify(prog: Program, name: str) -> None:
+    try:
+        prog.verify()
+    except AssertionError as e:
+        raise AssertionError(f"Program invalid after pass {name!r}: {e}") from e
+
+
+def dump(prog: Program, what: Any, tag: str) -> None:
+    """With FXPAR_DEBUG>=2, write ``what`` to $FXPAR_DUMP_DIR/<tag>.txt."""
+    folder = os.environ.get("FXPAR_DUMP_DIR")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{tag}.txt"), "w") as f:
+            f.write(str(what))

@@ -1,0 +1,48 @@
+"""annotate: seed placements for the program's inputs from the plan and the mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from fxpar.errors import PlanError
+from fxpar.ir import Program
+from fxpar.pipeline import Context
+from fxpar.plan import SUPPORTED_AXES, check_divisible, param_tp_placement, resolve_plan
+
+
+def annotate(prog: Program, ctx: Context) -> Program:
+    """Seed placements of parameters, buffers and user inputs.
+
+    Requires: a captured Program; ``ctx.plan`` globs over ``ctx.model.named_modules()``.
+    Ensures: every param/buffer/input placeholder has a placement per mesh axis: ``dp``
+    shards inputs on dim 0 and replicates state; ``tp`` applies the plan (replicate otherwise).
+    Raises PlanError for unknown axes, globs that match nothing and unsupported modules,
+    ValueError for shards that do not divide.
+    """
+    mesh = prog.mesh
+    for axis in mesh.names:
+        if axis not in SUPPORTED_AXES:
+            raise PlanError(f"mesh axis {axis!r} is not supported yet; use {SUPPORTED_AXES}")
+    styles = resolve_plan(ctx.model, ctx.plan)
+    if styles and "tp" not in mesh.axes:
+        raise PlanError("the plan shards modules over 'tp', but the mesh has no 'tp' axis")
+    modules = dict(ctx.model.named_modules())
+    placements = {}
+    for fqn, name in prog.signature.params:
+        path, _, pname = fqn.rpartition(".")
+        per_axis = []
+        for axis, n in mesh.axes.items():
+            style = styles.get(path, "replicate") if axis == "tp" else "replicate"
+            per_axis.append(param_tp_placement(modules[path], path, pname, style) if n > 1 else Replicate())
+        placements[name] = tuple(per_axis)
+        check_divisible(prog.node(name).meta["val"].shape, placements[name], mesh.shape,
+                        f"parameter {fqn!r} (module {path!r})")
+    for _, name in prog.signature.buffers:
+        placements[name] = tuple(Replicate() for _ in mesh.names)
+    for i, name in enumerate(prog.signature.inputs):
+        val: torch.Tensor = prog.node(name).meta["val"]
+        batch = Shard(0) if val.ndim >= 1 else Replicate()
+        placements[name] = tuple(batch if (a == "dp" and n > 1) else Replicate() for a, n in mesh.axes.items())
+        check_divisible(val.shape, placements[name], mesh.shape, f"input {i} (the batch is sharded over dp)")
+    return prog.replace("annotate", placements=placements, notes={**prog.notes, "plan": styles})

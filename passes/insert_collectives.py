@@ -1,0 +1,73 @@
+"""insert_collectives: every placement change becomes an explicit list of collective steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from fxpar.ir import Placements, Program, tensor_val
+from fxpar.pipeline import Context
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective (or local slice) on one mesh axis."""
+
+    op: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "slice"
+    axis: str
+    src: Placement
+    dst: Placement
+
+
+def insert_collectives(prog: Program, ctx: Context) -> Program:
+    """Map each (node, tensor arg) whose placement must change to its collective steps.
+
+    Requires: ``propagate`` (placements and arg_placements).
+    Ensures: ``notes["redistribute"][(consumer, arg position)] = (producer, dst, steps)``; the
+    same producer redistributed to the same placement is computed once by ``lower``.
+    Raises NotImplementedError for a placement change with two mesh axes sharding one dim.
+    """
+    plan: dict[tuple[str, int], tuple[str, Placements, tuple[Step, ...]]] = {}
+    for node in prog.graph.nodes:
+        required = prog.arg_placements.get(node.name)
+        if required is None:
+            continue
+        for pos, (arg, dst) in enumerate(zip(consumed_tensors(node), required, strict=True)):
+            if arg is None or dst is None:
+                continue
+            src = prog.placements[arg.name]
+            if src != dst:
+                plan[(node.name, pos)] = (arg.name, dst, steps_between(prog.mesh.names, src, dst))
+    return prog.replace("insert_collectives", notes={**prog.notes, "redistribute": plan})
+
+
+def consumed_tensors(node: fx.Node) -> list[fx.Node | None]:
+    """The tensor arguments of ``node`` in the order ``arg_placements`` uses."""
+    if node.op == "output":
+        return [a if tensor_val(a) is not None else None for a in node.args[0]]
+    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
+
+
+def steps_between(axes: tuple[str, ...], src: Placements, dst: Placements) -> tuple[Step, ...]:
+    """Collective steps turning ``src`` into ``dst``, one per axis that changes."""
+    for placements in (src, dst):
+        dims = [p.dim for p in placements if isinstance(p, Shard)]
+        if len(dims) != len(set(dims)):
+            raise NotImplementedError(f"two mesh axes shard the same dim: {placements}")
+    steps = []
+    for axis, s, d in zip(axes, src, dst, strict=True):
+        if s != d:
+            steps.append(Step(_op_for(s, d), axis, s, d))
+    return tuple(steps)
+
+
+def _op_for(src: Placement, dst: Placement) -> str:
+    if isinstance(src, Partial):
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter"
+    if isinstance(src, Replicate):
+        return "slice"
+    return "all_gather" if isinstance(dst, Replicate) else "all_to_all"

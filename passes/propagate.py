@@ -1,0 +1,219 @@
+"""propagate: a placement for every tensor of the joint graph, one mesh axis at a time.
+
+Candidates come from the rule table (DTensor strategies plus fxpar rules); fxpar's policy
+chooses among them:
+
+* Never redistribute into ``Partial`` (that would divide values among ranks).
+* A ``Partial`` input stays partial only through linear ops that keep sums exact: views,
+  ``add``/``sub`` of partials, scalar scaling, ``sum``. Anything else reduces it first. So the
+  input gradients of q, k and v are summed while partial and reduced once (Megatron's
+  optimum), and a residual ``add(R, P)`` reduces the partial block output.
+* Parameters are never gathered when another strategy exists; shards must divide evenly.
+* Otherwise the cheapest candidate in bytes moved wins; ties keep the inputs as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from fxpar.ir import Program, tensor_val
+from fxpar.pipeline import Context
+from fxpar.rules import Candidate, candidates
+
+aten = torch.ops.aten
+
+PARTIAL_LINEAR = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default, aten.transpose.int,
+    aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
+    aten.clone.default, aten.alias.default, aten.detach.default, aten.neg.default, aten.mul.Scalar,
+    aten.div.Scalar, aten.sum.dim_IntList, aten.sum.default, aten.slice_backward.default,
+}
+PARTIAL_SUMS = {aten.add.Tensor, aten.sub.Tensor}  # partial only if every tensor arg is partial
+VIEW_LIKE = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
+             aten.permute.default, aten.detach.default, aten.alias.default, aten._to_copy.default}
+PARAM_PENALTY = 1e6
+NO_CANDIDATE = math.inf
+
+
+class FxparWarning(UserWarning):
+    """fxpar compiled the model but something deserves the user's attention."""
+
+
+def propagate(prog: Program, ctx: Context) -> Program:
+    """Placement of every tensor node and required placements of every node's tensor args.
+
+    Requires: ``annotate`` placements on params, buffers and inputs.
+    Ensures: ``placements[node]`` for every tensor node (a tuple per output for multi-output
+    ops); ``arg_placements[node]`` for every node consuming tensors, forward outputs S(0) on
+    dp and replicated elsewhere, gradients placed like their parameters.
+    """
+    placements: dict[str, Any] = dict(prog.placements)
+    arg_placements: dict[str, tuple[Any, ...]] = {}
+    params = {name for _, name in prog.signature.params}
+    param_like: set[str] = set(params)
+    outputs = _output_targets(prog, placements)
+    for name, idx in prog.signature.tangents:
+        placements[name] = outputs[idx]
+    for node in prog.graph.nodes:
+        if node.op == "get_attr":
+            placements[node.name] = _replicated(prog)
+        elif node.op == "call_function":
+            _place_call(prog, node, placements, arg_placements, param_like)
+        elif node.op == "output":
+            arg_placements[node.name] = tuple(outputs)
+    return prog.replace("propagate", placements=placements, arg_placements=arg_placements)
+
+
+def _replicated(prog: Program) -> tuple[Placement, ...]:
+    return tuple(Replicate() for _ in prog.mesh.names)
+
+
+def _output_targets(prog: Program, placements: dict[str, Any]) -> list[Any]:
+    """Forward outputs: batch-sharded on dp, replicated elsewhere. Gradients: like the param."""
+    out = prog.graph.output_node().args[0]
+    sig = prog.signature
+    grad_of = {i: name for (fqn, i) in sig.grads for (f, name) in sig.params if f == fqn}
+    targets = []
+    for i, arg in enumerate(out):
+        val = tensor_val(arg)
+        if val is None:
+            targets.append(None)
+        elif i < sig.num_outputs:
+            targets.append(tuple(
+                Shard(0) if (a == "dp" and n > 1 and val.ndim and val.shape[0] % n == 0) else Replicate()
+                for a, n in prog.mesh.axes.items()))
+        else:
+            targets.append(placements[grad_of[i]])
+    return targets
+
+
+def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
+                arg_placements: dict[str, tuple[Any, ...]], param_like: set[str]) -> None:
+    if node.target is __import__("operator").getitem:
+        src = placements.get(node.args[0].name)
+        if src is not None:
+            placements[node.name] = src[node.args[1]]
+        return
+    tensor_args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
+    val = node.meta.get("val")
+    if not _has_tensor_output(val):
+        arg_placements[node.name] = tuple(placements[a.name] for a in tensor_args)
+        return
+    multi = isinstance(val, (tuple, list))
+    per_axis_in, per_axis_out = [], []
+    for ax, n in enumerate(prog.mesh.shape):
+        cur = [placements[a.name][ax] for a in tensor_args]
+        if n == 1:
+            cand = Candidate(tuple(Replicate() for _ in cur), _all(val, Replicate()))
+        else:
+            cand = _choose(node, tensor_args, cur, n, param_like)
+        per_axis_in.append(cand.inputs)
+        per_axis_out.append(cand.output)
+    arg_placements[node.name] = tuple(tuple(ins) for ins in zip(*per_axis_in, strict=True)) if tensor_args else ()
+    if multi:
+        placements[node.name] = tuple(
+            None if per_axis_out[0][i] is None else tuple(o[i] for o in per_axis_out) for i in range(len(val)))
+    else:
+        placements[node.name] = tuple(per_axis_out)
+    if node.target in VIEW_LIKE and tensor_args and tensor_args[0].name in param_like:
+        param_like.add(node.name)
+
+
+def _has_tensor_output(val: Any) -> bool:
+    if isinstance(val, torch.Tensor):
+        return True
+    return isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
+
+
+def _all(val: Any, p: Placement) -> Any:
+    if isinstance(val, (tuple, list)):
+        return tuple(p if isinstance(v, torch.Tensor) else None for v in val)
+    return p
+
+
+_warned: set[str] = set()
+
+
+def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: int,
+            param_like: set[str]) -> Candidate:
+    """The cheapest allowed candidate on one axis; replicate everything if none is known."""
+    args = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.args)
+    kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
+    found = None
+    if tensor_args:
+        try:
+            found = candidates(node.target, args, kwargs, cur, n)
+        except Exception:  # noqa: BLE001 - a rule that cannot handle these shapes offers nothing
+            found = None
+    else:  # factory ops (arange, full, scalar_tensor, ...) produce replicated values
+        return Candidate((), _all(node.meta["val"], Replicate()))
+    if found is None and str(node.target) not in _warned:
+        _warned.add(str(node.target))
+        warnings.warn(f"fxpar: no sharding rule for {node.target}; it runs replicated (inputs gathered)",
+                      FxparWarning, stacklevel=2)
+    fallback = Candidate(tuple(Replicate() for _ in cur), _all(node.meta["val"], Replicate()))
+    best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like), 1, 0)
+    for i, cand in enumerate(found or []):
+        cost = _cost(node, cand, tensor_args, cur, n, param_like)
+        key = (cost, sum(c != r for c, r in zip(cur, cand.inputs, strict=True)), i)
+        if cost < NO_CANDIDATE and key < best_key:
+            best, best_key = cand, key
+    return best
+
+
+def _cost(node: fx.Node, cand: Candidate, tensor_args: list[fx.Node], cur: list[Placement], n: int,
+          param_like: set[str]) -> float:
+    if len(cand.inputs) != len(cur) or not _allowed(node, cand, cur, n):
+        return NO_CANDIDATE
+    total = 0.0
+    for arg, src, dst in zip(tensor_args, cur, cand.inputs, strict=True):
+        c = transition_cost(src, dst, _nbytes(arg))
+        if c > 1 and arg.name in param_like:
+            c *= PARAM_PENALTY
+        total += c
+    return total
+
+
+def _allowed(node: fx.Node, cand: Candidate, cur: list[Placement], n: int) -> bool:
+    outs = cand.output if isinstance(cand.output, tuple) else (cand.output,)
+    vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+    for p, v in zip(outs, vals, strict=False):
+        if isinstance(p, Partial) and p.reduce_op != "sum":
+            return False
+        if isinstance(p, Shard) and isinstance(v, torch.Tensor) and v.shape[p.dim] % n:
+            return False
+    kept_partial = [isinstance(s, Partial) and isinstance(d, Partial) for s, d in zip(cur, cand.inputs, strict=True)]
+    for src, dst in zip(cur, cand.inputs, strict=True):
+        if isinstance(dst, Partial) and not isinstance(src, Partial):
+            return False
+    if any(kept_partial):
+        if node.target in PARTIAL_SUMS:
+            return all(kept_partial)
+        return node.target in PARTIAL_LINEAR
+    return True
+
+
+def transition_cost(src: Placement, dst: Placement, nbytes: int) -> float:
+    """Relative cost of changing one tensor's placement on one axis (bytes of the full tensor)."""
+    if src == dst:
+        return 0.0
+    if isinstance(dst, Partial):
+        return NO_CANDIDATE
+    if isinstance(src, Replicate):
+        return 1.0  # a local slice: free of communication, but not nothing
+    if isinstance(src, Partial):
+        return 2.0 * nbytes if isinstance(dst, Replicate) else float(nbytes)
+    return float(nbytes)  # all-gather or all-to-all
+
+
+def _nbytes(node: fx.Node) -> int:
+    v = tensor_val(node)
+    return v.numel() * v.element_size() if v is not None else 0
