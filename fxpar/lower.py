@@ -85,14 +85,15 @@ class _Lowerer:
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.constants: dict[str, torch.Tensor] = {}
         self.phase = "fwd"
+        sig = prog.signature
+        self.local_names = {name: fqn.replace(".", "_") for fqn, name in (*sig.params, *sig.buffers)}
+        self.local_names.update({name: f"input_{i}" for i, name in enumerate(sig.inputs)})
 
     # -- emission helpers -------------------------------------------------------------------
     def emit(self, target: Any, args: tuple, kwargs: dict | None = None, placements: Any = None,
              module: str = "", name: str | None = None) -> fx.Node:
         kwargs = kwargs or {}
-        node = self.graph.call_function(target, args, kwargs)
-        if name:
-            node.name = self.graph._graph_namespace.create_name(name, node)
+        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
         vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
         with self.fake:
             node.meta["val"] = target(*vals[0], **vals[1])
@@ -179,7 +180,7 @@ class _Lowerer:
         self.phase = "bwd" if is_tangent else "fwd"
         p = self.prog.placements[node.name]
         val = node.meta["val"]
-        new = self.graph.placeholder(node.name)
+        new = self.graph.placeholder(self.local_names.get(node.name, node.name))
         with self.fake:
             new.meta["val"] = torch.empty(local_shape(val.shape, p, self.mesh.shape), dtype=val.dtype, device=val.device)
         new.meta.update(placements=p, module=self.prog.provenance[node.name].module, phase=self.phase)

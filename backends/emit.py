@@ -1,0 +1,44 @@
+"""Emit rank programs as standalone Python files plus a manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from fxpar.printer import group_vars, print_rank_program
+
+PRELUDE = '''import torch
+
+from fxpar.backends import comm
+
+aten = torch.ops.aten
+constants: dict = {{}}  # lifted tensor constants, if the program uses any
+{groups}
+'''
+
+
+def save_programs(pm: Any, folder: str, ranks: list[int] | None = None) -> list[str]:
+    """Write ``rank<r>.py`` for each rank (all by default) and ``manifest.json``; return the paths.
+
+    Each file defines ``forward`` and ``backward`` for its rank; collectives name groups through
+    module-level variables (``TP = "tp[2,3]"``) that ``comm.register_group`` binds at run time.
+    """
+    os.makedirs(folder, exist_ok=True)
+    prog = pm._prog
+    ranks = list(range(prog.mesh.size)) if ranks is None else ranks
+    paths, manifest = [], {"mesh": prog.mesh.axes, "passes": list(prog.passes), "ranks": {}}
+    for r in ranks:
+        rp = pm.rank_program(r)
+        groups = "\n".join(f"{v} = {s!r}" for s, v in sorted(group_vars(rp).items(), key=lambda kv: kv[1]))
+        text = PRELUDE.format(groups=groups) + "\n\n" + print_rank_program(prog, rp)
+        path = os.path.join(folder, f"rank{r}.py")
+        with open(path, "w") as f:
+            f.write(text)
+        paths.append(path)
+        manifest["ranks"][str(r)] = {"file": os.path.basename(path), "coord": list(rp.coord),
+                                     "groups": {s: list(g) for s, g in rp.groups.items()},
+                                     "collectives": len(rp.ledger)}
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+    return paths

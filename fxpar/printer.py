@@ -1,0 +1,151 @@
+"""Printing rank programs: valid Python bodies with types, placements and provenance as comments.
+
+Printing is canonical (the same program gives the same text), so programs can be diffed
+between versions and checked in as golden files.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from tabulate import tabulate
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from fxpar.backends.comm import c10d
+from fxpar.ir import Program
+from fxpar.lower import LedgerRow, RankProgram
+
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+           torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.float8_e4m3fn: "f8e4m3",
+           torch.float8_e5m2: "f8e5m2", torch.uint8: "u8", torch.int8: "i8"}
+_COMM = {c10d.all_reduce.default: "comm.all_reduce", c10d.all_gather_into_tensor.default: "comm.all_gather",
+         c10d.reduce_scatter_tensor.default: "comm.reduce_scatter", c10d.wait_tensor.default: "comm.wait"}
+CODE_WIDTH = 64
+
+
+def type_str(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{_DTYPES.get(val.dtype, str(val.dtype))}[{','.join(map(str, val.shape))}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(type_str(v) for v in val) + ")"
+    return ""
+
+
+def placement_str(p: Any) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return "?"
+
+
+def placements_str(placements: Any, axes: tuple[str, ...]) -> str:
+    if placements is None:
+        return ""
+    if placements and isinstance(placements[0], tuple) or (placements and placements[0] is None):
+        return "(" + ", ".join(placements_str(p, axes) for p in placements) + ")"
+    return " ".join(f"{a}:{placement_str(p)}" for a, p in zip(axes, placements, strict=True))
+
+
+def _arg(a: Any, groups: dict[str, str]) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_arg(x, groups) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    if isinstance(a, str):
+        return groups.get(a, repr(a))
+    if isinstance(a, torch.dtype):
+        return str(a)
+    if isinstance(a, torch.device):
+        return f"torch.device({str(a)!r})"
+    if isinstance(a, torch.memory_format):
+        return f"torch.{str(a).split('.')[-1]}"
+    if isinstance(a, torch.layout):
+        return str(a)
+    return repr(a)
+
+
+def _target(t: Any) -> str:
+    if t in _COMM:
+        return _COMM[t]
+    if isinstance(t, torch._ops.OpOverload):
+        packet, overload = t.name().split("::")[1].split(".") + ["default"] if "." not in t.name() else (
+            t.name().split("::")[1].split(".", 1))
+        return f"aten.{packet}" if overload == "default" else f"aten.{packet}.{overload}"
+    return getattr(t, "__name__", str(t))
+
+
+def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str]) -> str:
+    if n.target is operator.getitem:
+        code = f"{n.name} = {n.args[0].name}[{n.args[1]}]"
+    else:
+        args = [_arg(a, groups) for a in n.args] + [f"{k}={_arg(v, groups)}" for k, v in n.kwargs.items()]
+        code = f"{n.name} = {_target(n.target)}({', '.join(args)})"
+    notes = [type_str(n.meta.get("val")), placements_str(n.meta.get("placements"), axes)]
+    if n.target in _COMM and n.target is not c10d.wait_tensor.default:
+        notes.append(f"inflight {n.name}")
+    elif n.meta.get("module"):
+        notes.append(n.meta["module"])
+    comment = "   ".join(x for x in notes if x)
+    return f"    {code:<{CODE_WIDTH}}  # {comment}" if comment else f"    {code}"
+
+
+def graph_source(name: str, gm: fx.GraphModule, axes: tuple[str, ...], groups: dict[str, str]) -> str:
+    """``def name(...):`` with one line per node and a return."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    lines = [f"def {name}({', '.join(p.name for p in phs)}):"]
+    for p in phs:
+        notes = "   ".join(x for x in (type_str(p.meta.get("val")),
+                                       placements_str(p.meta.get("placements"), axes), p.meta.get("module", "")) if x)
+        lines.append(f"    # {p.name}: {notes}")
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            lines.append(f"    {n.name} = constants[{n.target!r}]")
+        elif n.op == "call_function":
+            lines.append(_line(n, axes, groups))
+        elif n.op == "output":
+            lines.append(f"    return {_arg(tuple(n.args[0]), groups)}")
+    return "\n".join(lines)
+
+
+def group_vars(rp: RankProgram) -> dict[str, str]:
+    """Symbolic group name -> the variable that names it in printed code (``TP``)."""
+    return {sym: sym.split("[")[0].upper() for sym in rp.groups}
+
+
+def header(prog: Program, rp: RankProgram) -> str:
+    mesh = prog.mesh
+    coord = ", ".join(f"{a}={c}" for a, c in zip(mesh.names, rp.coord, strict=True))
+    groups = "   ".join(f"{v} = {s}" for s, v in sorted(group_vars(rp).items(), key=lambda kv: kv[1]))
+    return "\n".join([
+        f"# fxpar program | rank {rp.rank} of {mesh.size} | mesh {mesh.describe()} | coord ({coord})",
+        f"# groups  {groups or '(none)'}",
+        f"# passes  {' > '.join((*prog.passes, 'lower'))}",
+    ])
+
+
+def print_rank_program(prog: Program, rp: RankProgram, verbosity: int = 1) -> str:
+    """The rank's header, forward program and backward program."""
+    axes = prog.mesh.names
+    groups = group_vars(rp)
+    parts = [header(prog, rp)]
+    if verbosity >= 2:
+        plan = prog.notes.get("plan", {})
+        parts.append("# plan    " + (", ".join(f"{k}: {v}" for k, v in sorted(plan.items())) or "(none)"))
+    parts += [graph_source("forward", rp.forward, axes, groups), graph_source("backward", rp.backward, axes, groups)]
+    return "\n\n".join(parts) + "\n"
+
+
+def ledger_table(rows: list[LedgerRow]) -> str:
+    """The ledger as a table, with per-phase totals."""
+    body = [(r.phase, r.op, r.axis, "x".join(map(str, r.shape)), _DTYPES.get(r.dtype, str(r.dtype)), r.bytes)
+            for r in rows]
+    total = {ph: sum(r.bytes for r in rows if r.phase == ph) for ph in ("fwd", "bwd")}
+    table = tabulate(body, headers=["phase", "op", "axis", "shape", "dtype", "bytes"], tablefmt="simple")
+    return f"{table}\n# {len(rows)} collectives; bytes fwd={total['fwd']} bwd={total['bwd']}"
