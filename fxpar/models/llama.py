@@ -172,3 +172,8 @@ def llama_plan() -> dict[str, str]:
 def hf_llama_plan() -> dict[str, str]:
     """The same Megatron plan for HF ``LlamaForCausalLM`` module paths."""
     return {f"model.layers.*.{_HF_NAMES[name]}": style for name, style in _MEGATRON.items()}
+
+
+def llama(**config: int | float | bool) -> Llama:
+    """A fresh ``Llama(LlamaConfig(**config))`` (a picklable factory for multi-rank tests)."""
+    return Llama(LlamaConfig(**config))

@@ -44,7 +44,8 @@ def to_schema(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], pla
 
     a = pytree.tree_map_only(torch.Tensor, spec, args)
     k = pytree.tree_map_only(torch.Tensor, spec, kwargs)
-    return OpSchema(op, a, k, schema_info=_PROP.op_to_schema_info.get(op))
+    info = _PROP.op_to_schema_info.get(op) or _PROP.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, a, k, schema_info=info)
 
 
 def dtensor_candidates(
