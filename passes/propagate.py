@@ -185,9 +185,10 @@ def _cost(node: fx.Node, cand: Candidate, tensor_args: list[fx.Node], cur: list[
 def _allowed(node: fx.Node, cand: Candidate, cur: list[Placement], n: int) -> bool:
     outs = cand.output if isinstance(cand.output, tuple) else (cand.output,)
     vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+    for p in (*outs, *cand.inputs):
+        if isinstance(p, Partial) and not is_plain_sum(p):
+            return False  # avg/max partials and DTensor's masked partials need more than a sum
     for p, v in zip(outs, vals, strict=False):
-        if isinstance(p, Partial) and p.reduce_op != "sum":
-            return False
         if isinstance(p, Shard) and isinstance(v, torch.Tensor) and v.shape[p.dim] % n:
             return False
     kept_partial = [isinstance(s, Partial) and isinstance(d, Partial) for s, d in zip(cur, cand.inputs, strict=True)]
@@ -199,6 +200,11 @@ def _allowed(node: fx.Node, cand: Candidate, cur: list[Placement], n: int) -> bo
             return all(kept_partial)
         return node.target in PARTIAL_LINEAR
     return True
+
+
+def is_plain_sum(p: Placement) -> bool:
+    """A partial that an all-reduce(sum) completes: exactly ``Partial("sum")``."""
+    return type(p) is Partial and p.reduce_op == "sum"
 
 
 def transition_cost(src: Placement, dst: Placement, nbytes: int) -> float:

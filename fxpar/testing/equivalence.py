@@ -52,8 +52,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _compare(name: str, got: torch.Tensor, ref: torch.Tensor, rank: int, step: int, rtol: float, atol: float,
              report: RankReport) -> None:
-    if step > 0:  # after optimizer steps, values inherit the parameter tolerance (see param_atol)
-        atol = max(atol, 1e-5)
+    if step > 0:  # after optimizer steps, values inherit the parameter drift (see param_atol)
+        rtol, atol = max(rtol, 1e-4), max(atol, 1e-4)
     got, ref = got.detach().double(), ref.detach().double()
     err = (got - ref).abs()
     max_abs = err.max().item() if err.numel() else 0.0
@@ -70,7 +70,10 @@ def param_atol(lr: float) -> float:
     ``lr`` whatever its size. Elements whose gradient sits at the fp32 noise floor (a sum of
     cancelling terms, |g| ~ 1e-6) get a different relative value from a different reduction
     order, and Adam turns that into an absolute difference of up to a few 1e-3 x ``lr``.
-    Outputs and gradients, which have no such normalization, are held to rtol 1e-5.
+    Outputs and gradients of the first step, which have no such normalization, are held to
+    rtol 1e-5 / atol 1e-6. At later steps they are computed from parameters that may differ by
+    this bound, summed over a fan-in of tens to hundreds, so they are held to 1e-4; a missing or
+    doubled reduction still shows up as an O(1) relative error.
     """
     return 1e-2 * lr
 
