@@ -42,7 +42,7 @@ def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...])
         with ExitStack() as stack:
             joint = aot_export_joint_with_descriptors(stack, ep.module(), fake_args)
     gm = joint.graph_module
-    signature = _signature(gm, joint, fake_args)
+    signature = _signature(gm, joint, fake_args, _canonical_names(model))
     provenance = {n.name: _provenance(n) for n in gm.graph.nodes if n.op != "output"}
     return Program(gm=gm, mesh=mesh, signature=signature, provenance=provenance)
 
@@ -95,13 +95,22 @@ def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
     return best
 
 
-def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...]) -> Signature:
+def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every name of every parameter -> the name ``model.named_parameters()`` uses (tied weights once)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...], canonical: dict[str, str]) -> Signature:
     params, buffers, inputs, tangents = [], [], [], []
     for n in gm.graph.find_nodes(op="placeholder"):
         desc = n.meta["desc"]
         kind = type(desc).__name__
         if kind == "ParamAOTInput":
-            params.append((desc.target, n.name))
+            params.append((canonical.get(desc.target, desc.target), n.name))
         elif kind == "BufferAOTInput":
             buffers.append((desc.target, n.name))
         elif kind == "PlainAOTInput":
@@ -114,7 +123,7 @@ def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...]) -> Si
     descs = out.meta["desc"]
     num_outputs = sum(type(d).__name__ == "PlainAOTOutput" for d in descs)
     grads = tuple(
-        (d.grad_of.target, i)
+        (canonical.get(d.grad_of.target, d.grad_of.target), i)
         for i, d in enumerate(descs)
         if type(d).__name__ == "GradAOTOutput" and type(d.grad_of).__name__ == "ParamAOTInput"
         and out.args[0][i] is not None

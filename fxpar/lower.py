@@ -85,8 +85,13 @@ class _Lowerer:
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.constants: dict[str, torch.Tensor] = {}
         self.phase = "fwd"
+        self.source = ""
         sig = prog.signature
-        self.local_names = {name: fqn.replace(".", "_") for fqn, name in (*sig.params, *sig.buffers)}
+        # a tied weight can appear as two placeholders; the second keeps its graph name
+        self.local_names: dict[str, str] = {}
+        for fqn, name in (*sig.params, *sig.buffers):
+            if fqn.replace(".", "_") not in self.local_names.values():
+                self.local_names[name] = fqn.replace(".", "_")
         self.local_names.update({name: f"input_{i}" for i, name in enumerate(sig.inputs)})
 
     # -- emission helpers -------------------------------------------------------------------
@@ -97,7 +102,7 @@ class _Lowerer:
         vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
         with self.fake:
             node.meta["val"] = target(*vals[0], **vals[1])
-        node.meta.update(placements=placements, module=module, phase=self.phase)
+        node.meta.update(placements=placements, module=module, phase=self.phase, source=self.source)
         return node
 
     def group(self, axis: str) -> str:
@@ -132,8 +137,9 @@ class _Lowerer:
             return self.emit(aten.slice.Tensor, (x, d, idx * size, (idx + 1) * size), placements=after, module=module)
         if step.op == "all_reduce":
             self.record("all_reduce", step.axis, x.meta["val"])
-            y = self.emit(c10d.all_reduce.default, (x, "sum", g), placements=after, module=module)
-            return self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module)
+            y = self.emit(c10d.all_reduce.default, (x, "sum", g), placements=after, module=module,
+                          name=f"{x.name}_allreduce")
+            return self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_reduced")
         if step.op == "all_gather":
             return self.gather(x, step.src.dim, n, g, step.axis, after, module)
         if step.op == "reduce_scatter":
@@ -141,8 +147,9 @@ class _Lowerer:
             x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
             x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
             self.record("reduce_scatter", step.axis, x0.meta["val"])
-            y = self.emit(c10d.reduce_scatter_tensor.default, (x0, "sum", n, g), placements=after, module=module)
-            y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module)
+            y = self.emit(c10d.reduce_scatter_tensor.default, (x0, "sum", n, g), placements=after, module=module,
+                          name=f"{x.name}_reducescatter")
+            y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_scattered")
             return self.emit(aten.movedim.int, (y, 0, d), placements=after, module=module) if d else y
         # all_to_all (shard dim i -> shard dim j), done as a gather then a local slice
         full = self.gather(x, step.src.dim, n, g, step.axis, None, module, ledger_op="all_to_all")
@@ -154,8 +161,9 @@ class _Lowerer:
                ledger_op: str = "all_gather") -> fx.Node:
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
-        y = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module)
-        y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module)
+        y = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module,
+                      name=f"{x.name}_allgather")
+        y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_gathered")
         self.record(ledger_op, axis, y.meta["val"])
         return self.emit(aten.movedim.int, (y, 0, d), placements=after, module=module) if d else y
 
@@ -170,6 +178,7 @@ class _Lowerer:
             elif node.op == "get_attr":
                 self.get_attr(node)
             elif node.op == "call_function":
+                self.source = prov.source if prov else ""
                 self.call(node, plan, prov.module if prov else "")
             elif node.op == "output":
                 self.output(node, plan)

@@ -81,7 +81,7 @@ def _target(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str]) -> str:
+def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str], verbosity: int = 1) -> str:
     if n.target is operator.getitem:
         code = f"{n.name} = {n.args[0].name}[{n.args[1]}]"
     else:
@@ -92,11 +92,14 @@ def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str]) -> str:
         notes.append(f"inflight {n.name}")
     elif n.meta.get("module"):
         notes.append(n.meta["module"])
+    if verbosity >= 2 and n.meta.get("source"):
+        notes.append(n.meta["source"])
     comment = "   ".join(x for x in notes if x)
     return f"    {code:<{CODE_WIDTH}}  # {comment}" if comment else f"    {code}"
 
 
-def graph_source(name: str, gm: fx.GraphModule, axes: tuple[str, ...], groups: dict[str, str]) -> str:
+def graph_source(name: str, gm: fx.GraphModule, axes: tuple[str, ...], groups: dict[str, str],
+                 verbosity: int = 1) -> str:
     """``def name(...):`` with one line per node and a return."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     lines = [f"def {name}({', '.join(p.name for p in phs)}):"]
@@ -108,7 +111,7 @@ def graph_source(name: str, gm: fx.GraphModule, axes: tuple[str, ...], groups: d
         if n.op == "get_attr":
             lines.append(f"    {n.name} = constants[{n.target!r}]")
         elif n.op == "call_function":
-            lines.append(_line(n, axes, groups))
+            lines.append(_line(n, axes, groups, verbosity))
         elif n.op == "output":
             lines.append(f"    return {_arg(tuple(n.args[0]), groups)}")
     return "\n".join(lines)
@@ -138,7 +141,8 @@ def print_rank_program(prog: Program, rp: RankProgram, verbosity: int = 1) -> st
     if verbosity >= 2:
         plan = prog.notes.get("plan", {})
         parts.append("# plan    " + (", ".join(f"{k}: {v}" for k, v in sorted(plan.items())) or "(none)"))
-    parts += [graph_source("forward", rp.forward, axes, groups), graph_source("backward", rp.backward, axes, groups)]
+    parts += [graph_source("forward", rp.forward, axes, groups, verbosity),
+              graph_source("backward", rp.backward, axes, groups, verbosity)]
     return "\n\n".join(parts) + "\n"
 
 
