@@ -25,6 +25,11 @@ from fxpar.ir import Program, Provenance, Signature
 from fxpar.mesh import Mesh
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_FXPAR_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fxpar's own compiler code; bundled models and test helpers are user code for error reports
+_COMPILER_DIRS = tuple(os.path.join(_FXPAR_ROOT, d) + os.sep for d in ("passes", "backends", "schedules"))
+_COMPILER_FILES = tuple(os.path.join(_FXPAR_ROOT, "fxpar", f) for f in os.listdir(os.path.join(_FXPAR_ROOT, "fxpar"))
+                        if f.endswith(".py"))
 
 
 def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...]) -> Program:
@@ -39,9 +44,13 @@ def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...])
     fake_args = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, mesh.device), example_inputs)
     with _reparametrize_module(model, fake_state, tie_weights=True), fake_mode:
         ep = _export(model, fake_args)
-        with ExitStack() as stack:
-            joint = aot_export_joint_with_descriptors(stack, ep.module(), fake_args)
-    gm = joint.graph_module
+        try:
+            with ExitStack() as stack:
+                joint = aot_export_joint_with_descriptors(stack, ep.module(), fake_args)
+        except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
+            raise CaptureError(_explain_trace_failure(model, e)) from e
+        gm = joint.graph_module
+        _split_addmm(gm)
     signature = _signature(gm, joint, fake_args, _canonical_names(model))
     provenance = {n.name: _provenance(n) for n in gm.graph.nodes if n.op != "output"}
     return Program(gm=gm, mesh=mesh, signature=signature, provenance=provenance)
@@ -89,10 +98,28 @@ def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
     best = None
     while e is not None:
         for fr in traceback.extract_tb(e.__traceback__):
-            if not fr.filename.startswith(_TORCH_DIR) and "<" not in fr.filename and "fxpar" not in fr.filename:
+            if _is_user_file(fr.filename):
                 best = fr
         e = e.__cause__ or e.__context__
     return best
+
+
+def _split_addmm(gm: fx.GraphModule) -> None:
+    """``addmm(b, x, w)`` -> ``add(mm(x, w), b)``: a row-parallel Linear then reduces its partial
+    product before adding the (replicated) bias, instead of gathering its inputs."""
+    aten = torch.ops.aten
+    for n in list(gm.graph.nodes):
+        if n.target is aten.addmm.default and not n.kwargs:
+            bias, x, w = n.args
+            with gm.graph.inserting_before(n):
+                mm = gm.graph.call_function(aten.mm.default, (x, w))
+                mm.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+                mm.meta["val"] = n.meta["val"].new_empty(n.meta["val"].shape)
+                add = gm.graph.call_function(aten.add.Tensor, (mm, bias))
+                add.meta.update(n.meta)
+            n.replace_all_uses_with(add)
+            gm.graph.erase_node(n)
+    gm.recompile()
 
 
 def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
@@ -102,6 +129,12 @@ def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out[name] = first.setdefault(id(p), name)
     return out
+
+
+def _is_user_file(path: str) -> bool:
+    path = os.path.abspath(path) if "<" not in path else path
+    return not (path.startswith(_TORCH_DIR) or "<" in path or path.startswith(_COMPILER_DIRS)
+                or path in _COMPILER_FILES or "site-packages" in path)
 
 
 def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...], canonical: dict[str, str]) -> Signature:

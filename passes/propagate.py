@@ -55,6 +55,7 @@ def propagate(prog: Program, ctx: Context) -> Program:
     ops); ``arg_placements[node]`` for every node consuming tensors, forward outputs S(0) on
     dp and replicated elsewhere, gradients placed like their parameters.
     """
+    _warned.clear()  # warn once per op per compile
     placements: dict[str, Any] = dict(prog.placements)
     arg_placements: dict[str, tuple[Any, ...]] = {}
     params = {name for _, name in prog.signature.params}

@@ -34,21 +34,29 @@ def data_dependent_branch(**kwargs: int) -> DataDependentBranch:
     return DataDependentBranch(**kwargs)
 
 
-class HardswishMLP(nn.Module):
-    """``down(hardswish(up(x)))``: DTensor has a strategy for ``hardswish`` but none for the
-    ``hardswish_backward`` op of the joint graph, so fxpar falls back to running it replicated."""
+class NoRuleMLP(nn.Module):
+    """``down(hardswish(h) * bucket(h))`` with ``h = up(x)`` sharded over tp: two elementwise ops DTensor
+    cannot shard, so fxpar runs them replicated (gathering their inputs) and must stay exact.
+
+    * ``aten.searchsorted.Tensor`` (forward): no strategy, no rule and no decomposition in DTensor.
+    * ``aten.hardswish_backward.default`` (backward only: ``hardswish`` itself has a strategy): DTensor has a
+      decomposition, but propagating through it fails (it builds ``scalar_tensor`` factories).
+    """
 
     def __init__(self, dim: int = 32, hidden: int = 64, out: int = 16) -> None:
         super().__init__()
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, out)
+        self.register_buffer("boundaries", torch.tensor([-0.5, 0.0, 0.5]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.hardswish(self.up(x)))
+        h = self.up(x)
+        bucket = torch.searchsorted(self.boundaries, h.detach().contiguous()).to(h.dtype)  # 0..3 per element
+        return self.down(F.hardswish(h) * (1 + bucket))
 
 
-def hardswish_mlp(**kwargs: int) -> HardswishMLP:
-    return HardswishMLP(**kwargs)
+def no_rule_mlp(**kwargs: int) -> NoRuleMLP:
+    return NoRuleMLP(**kwargs)
 
 
 def mesh_size_mismatch(axes: dict[str, int]) -> str:
