@@ -112,8 +112,9 @@ class _Lowerer:
         return name
 
     def record(self, op: str, axis: str, val: torch.Tensor) -> None:
+        ranks = tuple(self.mesh.group_ranks(self.rank, axis))
         self.ledger.append(LedgerRow(self.phase, op, axis, tuple(val.shape), val.dtype,
-                                     val.numel() * val.element_size(), self.groups[group_name(axis, self.mesh.group_ranks(self.rank, axis))]))
+                                     val.numel() * val.element_size(), ranks))
 
     # -- redistribution ------------------------------------------------------------------
     def redistribute(self, producer: str, dst: Placements, steps: tuple[Step, ...], module: str) -> fx.Node:
@@ -191,7 +192,8 @@ class _Lowerer:
         val = node.meta["val"]
         new = self.graph.placeholder(self.local_names.get(node.name, node.name))
         with self.fake:
-            new.meta["val"] = torch.empty(local_shape(val.shape, p, self.mesh.shape), dtype=val.dtype, device=val.device)
+            shape = local_shape(val.shape, p, self.mesh.shape)
+            new.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
         new.meta.update(placements=p, module=self.prog.provenance[node.name].module, phase=self.phase)
         self.env[node.name] = new
         n_dp = self.mesh.axes.get("dp", 1)

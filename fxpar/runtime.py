@@ -107,7 +107,8 @@ class ParallelModule(torch.nn.Module):
     def _materialize(self, model: torch.nn.Module) -> None:
         mesh = self._prog.mesh
         dm = mesh.device_mesh()
-        device = torch.device(mesh.device, torch.cuda.current_device()) if mesh.device == "cuda" else torch.device("cpu")
+        on_cuda = mesh.device == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         state = dict(model.named_parameters())
         for fqn, name in self._prog.signature.params:
             p = state[fqn]

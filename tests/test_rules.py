@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fxpar.passes.propagate import is_plain_sum
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxpar.passes.propagate import is_plain_sum
 from fxpar.rules import FXPAR_RULES, candidates
 from fxpar.rules.validate import check_candidate
 
