@@ -1,13 +1,15 @@
-# fxpar: two commands on a fresh machine with only Python: `make demo` and `make test`.
+# fxpar: on a fresh machine with only Python, `make demo` and `make test` are all it takes.
+# The first target run creates .venv and installs into it once; the stamp is redone when pyproject.toml changes.
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench golden
 
+# torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	# pin torch first: an unpinned torch pulls a multi-GB CUDA build
+	@echo "installing torch 2.13.0 (CPU) and fxpar[test] into $(VENV) (once; may take a few minutes)"
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $(STAMP)
@@ -19,7 +21,11 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fxpar passes backends schedules tests bench
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/compare_dtensor.py
+
+# regenerates the golden program texts that tests compare against
+golden: $(STAMP)
+	$(VENV)/bin/python -m tests.golden.regenerate
