@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench golden
+.PHONY: demo test lint bench
 
 # torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -25,7 +25,3 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/compare_dtensor.py
-
-# regenerates the golden program texts that tests compare against
-golden: $(STAMP)
-	$(VENV)/bin/python -m tests.golden.regenerate
