@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench golden
 
 # torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -25,3 +25,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/compare_dtensor.py
+
+# rewrites tests/golden/*.txt (printed rank programs + ledgers) that tests/test_golden.py diffs against
+golden: $(STAMP)
+	$(VENV)/bin/python tests/golden/regen.py
