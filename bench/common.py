@@ -1,0 +1,78 @@
+"""Shared helpers of the benchmarks: machine description, exact ratios, markdown, README sections.
+
+Each benchmark writes its JSON under ``bench/results/`` and its markdown table into a marked
+section of ``bench/README.md`` (between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``),
+so ``make bench`` regenerates the tables in place and the prose around them stays hand-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+RESULTS_DIR = os.path.join(BENCH_DIR, "results")
+README = os.path.join(BENCH_DIR, "README.md")
+
+
+def cpu_name() -> str:
+    """The CPU model from ``/proc/cpuinfo`` (Linux), else ``platform.machine()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def environment() -> dict[str, Any]:
+    """What a result depends on besides the code: torch, Python, CPU model and core count."""
+    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu_name(),
+            "cpus": os.cpu_count()}
+
+
+def ratio(num: int, den: int) -> str:
+    """An exact ratio as text: ``1``, ``3/2`` (shown as ``1.500 (3/2)``); ``-`` when both are 0."""
+    if den == 0:
+        return "-" if num == 0 else "inf"
+    r = Fraction(num, den)
+    return str(r.numerator) if r.denominator == 1 else f"{float(r):.3f} ({r})"
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A GitHub markdown table; ints get thousands separators."""
+    def cell(v: Any) -> str:
+        return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+
+
+def save_json(name: str, data: Any) -> str:
+    """Write ``data`` to ``bench/results/<name>.json``; return the path."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    return path
+
+
+def write_readme_section(name: str, lines: list[str], readme: str = README) -> None:
+    """Replace the text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->`` in the README.
+
+    Raises ``ValueError`` if the markers are missing (the README's prose places the section).
+    """
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    with open(readme) as f:
+        text = f.read()
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{readme} has no {start} ... {end} section")
+    body = "\n".join([start, *lines, end])
+    with open(readme, "w") as f:
+        f.write(pattern.sub(lambda _: body, text))
