@@ -100,7 +100,7 @@ def _collect(conns: dict[int, Connection], procs: list[mp.process.BaseProcess], 
                 failures.append((rank, f"rank {rank} raised {msg[1]}\n{msg[2]}"))
 
 
-def _reap(procs: list[mp.process.BaseProcess]) -> None:
+def reap(procs: list[mp.process.BaseProcess]) -> None:
     """Terminate every live child, kill those still alive after a grace period, and join all of them."""
     for p in procs:
         if p.is_alive():
@@ -160,6 +160,6 @@ def run_ranks(fn: Callable[..., T], world_size: int, *args: Any, timeout: float 
             p.join(max(0.0, deadline - time.monotonic()))
         return [results[r] for r in range(world_size)]
     finally:
-        _reap(procs)
+        reap(procs)
         for c in conns.values():
             c.close()
