@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -97,6 +96,20 @@ class ParallelModule(torch.nn.Module):
 
         return ledger_table(self.ledger(rank))
 
+    def output_placements(self) -> list[Any]:
+        """Placements (one per mesh axis) of each forward output, as this rank returns them."""
+        out = self._prog.graph.output_node()
+        return list(self._prog.arg_placements[out.name][: self._prog.signature.num_outputs])
+
+    def executed_graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """The forward and backward graphs this rank runs, with process groups bound.
+
+        Editing them (then ``recompile()``) changes what runs: fault-injection tests use this.
+        """
+        if self._runner is None:
+            raise RuntimeError("this ParallelModule was compiled for a fake mesh (or no rank): it has no bound graphs")
+        return self._runner.forward, self._runner.backward
+
     def save(self, folder: str) -> list[str]:
         """Write each rank's program as a standalone Python file plus ``manifest.json``."""
         from fxpar.backends.emit import save_programs
@@ -143,6 +156,3 @@ def _register_path(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -
         mod = getattr(mod, part)
     mod.register_parameter(leaf, param)
 
-
-def current_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0

@@ -17,8 +17,7 @@ import torch
 import fxpar
 from fxpar.models.llama import llama, llama_plan
 from fxpar.models.mlp import mlp, mlp_plan
-from fxpar.testing import error_models
-from fxpar.testing.equivalence import check_rank
+from fxpar.testing import assert_equivalent, error_models
 from fxpar.testing.launch import RankFailure, run_ranks
 
 
@@ -96,7 +95,6 @@ def test_data_dependent_control_flow_names_the_line() -> None:
 # 5. an op without a sharding rule ------------------------------------------------------------------
 
 NO_RULE_OPS = ("aten.searchsorted.Tensor", "aten.hardswish_backward.default")
-NO_RULE_MODEL = "fxpar.testing.error_models:no_rule_mlp"
 
 
 def test_op_without_sharding_rule_warns() -> None:
@@ -120,11 +118,9 @@ def test_op_without_sharding_rule_warns() -> None:
 def test_op_without_sharding_rule_still_equivalent() -> None:
     # the fallback gathers the ops' inputs, runs them replicated and slices the results back to shards
     torch.manual_seed(5)
-    reports = run_ranks(check_rank, 2, NO_RULE_MODEL, {}, {"tp": 2}, error_models.MLP_PLAN, (torch.randn(8, 32),), 2,
-                        timeout=90, collective_timeout=30)
-    for r in reports:
-        assert not r.mismatches, r.mismatches
-        assert len(r.losses) == 2
+    reports = assert_equivalent(error_models.no_rule_mlp, {"tp": 2}, error_models.MLP_PLAN, (torch.randn(8, 32),),
+                                steps=2)
+    assert [len(r.losses) for r in reports] == [2, 2]
 
 
 # 6. a rank that dies mid-step ----------------------------------------------------------------------

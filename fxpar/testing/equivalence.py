@@ -1,139 +1,292 @@
-"""Parallel-vs-single-device equivalence, run inside each rank of a launched mesh.
+"""``assert_equivalent``: a parallel program computes what the single-device model computes.
 
-``check_rank`` builds the model twice from the same seed: once as the single-device
-reference (the whole batch), once through ``fxpar.parallelize`` (this rank's dp shard). It
-compares outputs, every parameter gradient and every parameter after ``steps`` AdamW steps,
-and returns the worst errors per tensor so the parent process can assert and report them.
+Each rank of a real gloo mesh (from a reusable ``RankPool``) builds the model twice from
+``model_fn`` under the same seed: once as the single-device reference, run on the whole batch,
+and once through ``fxpar.parallelize``, run on this rank's dp shard. For ``steps`` AdamW steps
+it compares, on this rank's own shard of each tensor (so a wrong rank is named as such):
+
+1. every forward output,
+2. every parameter gradient,
+3. every parameter after the optimizer step.
+
+Tolerances depend on the dtype (``fxpar.testing.tolerance``). A mismatch raises
+``EquivalenceError`` naming the tensor (output path or parameter FQN), the rank, the max
+absolute and relative error, the first step where the program diverged, and how to replay.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
+import inspect
+import math
+import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, Shard
 
 import fxpar
+from fxpar.testing.pool import RankPool, RemoteError, default_pool
+from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
+
+ModelFn = Callable[[], torch.nn.Module]
+LossFn = Callable[[Any], torch.Tensor]
+RankHook = Callable[[fxpar.ParallelModule, int], None]
+USER_ERRORS = (ValueError, TypeError, NotImplementedError, fxpar.CaptureError)
 
 
-@dataclass
+class EquivalenceError(AssertionError):
+    """The parallel program and the single-device model disagree beyond tolerance."""
+
+    def __init__(self, message: str, mismatches: list[Mismatch]) -> None:
+        super().__init__(message)
+        self.mismatches = mismatches
+
+
+@dataclass(frozen=True)
 class Mismatch:
-    """Where a parallel program and the reference disagree beyond tolerance."""
+    """One tensor on one rank at one step that is out of tolerance."""
 
     tensor: str
     rank: int
     step: int
     max_abs: float
     max_rel: float
+    rtol: float
+    atol: float
+
+    def __str__(self) -> str:
+        return (f"{self.tensor} on rank {self.rank} at step {self.step}: max abs err {self.max_abs:.3g}, "
+                f"max rel err {self.max_rel:.3g} (rtol {self.rtol:.1g}, atol {self.atol:.2g})")
 
 
 @dataclass
 class RankReport:
+    """What one rank found: losses per step, mismatches, the worst error seen, and optionally its program."""
+
     rank: int
     losses: list[tuple[float, float]] = field(default_factory=list)  # (fxpar, reference) per step
-    worst_abs: float = 0.0
     mismatches: list[Mismatch] = field(default_factory=list)
+    worst_abs: float = 0.0
+    compared: int = 0
     program: str = ""
-    ledger: str = ""
 
 
-def build(factory: str, kwargs: dict[str, Any]) -> torch.nn.Module:
-    """``factory`` is ``"module:function"``; it returns a fresh model."""
-    mod, fn = factory.split(":")
-    return getattr(importlib.import_module(mod), fn)(**kwargs)
+@dataclass(frozen=True)
+class Case:
+    """Everything a rank needs to run one equivalence check (picklable)."""
+
+    model_fn: ModelFn
+    mesh_axes: dict[str, int]
+    plan: Any
+    inputs: tuple[Any, ...]
+    steps: int
+    rtol: float | None
+    atol: float | None
+    lr: float
+    seed: int
+    loss_fn: LossFn | None
+    rank_hook: RankHook | None
+    want_program: bool
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def assert_equivalent(model_fn: ModelFn, mesh_axes: dict[str, int], plan: Any, inputs: tuple[Any, ...] | Any,
+                      steps: int = 3, rtol: float | None = None, atol: float | None = None, *, lr: float = 1e-3,
+                      seed: int = 0, loss_fn: LossFn | None = None, pool: RankPool | None = None,
+                      timeout: float = 300.0, rank_hook: RankHook | None = None,
+                      want_program: bool = False) -> list[RankReport]:
+    """Check ``fxpar.parallelize(model_fn(), Mesh(mesh_axes), inputs, plan)`` against the single-device model.
 
-
-def _compare(name: str, got: torch.Tensor, ref: torch.Tensor, rank: int, step: int, rtol: float, atol: float,
-             report: RankReport) -> None:
-    if step > 0:  # after optimizer steps, values inherit the parameter drift (see param_atol)
-        rtol, atol = max(rtol, 1e-4), max(atol, 1e-4)
-    got, ref = got.detach().double(), ref.detach().double()
-    # fp32 sums of many terms err by ~k*eps*max|term|: scale the absolute floor with the tensor
-    atol = atol * max(1.0, ref.abs().max().item() if ref.numel() else 1.0)
-    err = (got - ref).abs()
-    max_abs = err.max().item() if err.numel() else 0.0
-    max_rel = (err / ref.abs().clamp_min(1e-12)).max().item() if err.numel() else 0.0
-    report.worst_abs = max(report.worst_abs, max_abs)
-    if not torch.allclose(got, ref, rtol=rtol, atol=atol):
-        report.mismatches.append(Mismatch(name, rank, step, max_abs, max_rel))
-
-
-# Adam moves an element by lr * g / (|g| + eps): its sensitivity to a rounding difference dg in
-# the gradient is up to lr * dg / eps. With eps=1e-8 an element whose gradient sits at the fp32
-# noise floor (dg ~ 1e-9) can move anywhere within +-lr, which no tolerance can tell from a bug;
-# eps=1e-6 (a common AdamW setting) bounds it to ~1e-3 * lr.
-ADAM_EPS = 1e-6
-
-
-def param_atol(lr: float) -> float:
-    """Tolerance on parameters after AdamW steps: 2% of one step (``lr``) per element.
-
-    Adam divides each gradient element by its own running RMS, so every element moves by about
-    ``lr`` whatever its size. Elements whose gradient sits at the fp32 noise floor (a sum of
-    cancelling terms, |g| ~ 1e-6) get a different relative value from a different reduction
-    order, and Adam turns that into an absolute difference of up to a few 1e-3 x ``lr``.
-    Outputs and gradients of the first step, which have no such normalization, are held to
-    rtol 1e-5 / atol 1e-6. At later steps they are computed from parameters that may differ by
-    this bound, summed over a fan-in of tens to hundreds, so they are held to 1e-4; a missing or
-    doubled reduction still shows up as an O(1) relative error.
+    Requires: ``model_fn`` a picklable zero-argument callable (module-level function,
+    ``functools.partial``, or a spec object from ``fxpar.testing.strategies``) whose parameters depend
+    only on ``torch.manual_seed``; ``inputs`` with global shapes (dim 0 is the batch, divisible by
+    ``dp``). ``loss_fn(outputs) -> scalar`` must be a mean over the batch (default: mean of squares of
+    every floating output), so that dp ranks' local losses average to the global one.
+    ``rtol``/``atol`` override the step-0 tolerance (default by dtype, see ``fxpar.testing.tolerance``).
+    ``rank_hook(pm, rank)`` runs in each rank before the first step (e.g. to inject a fault).
+    Ensures: returns one ``RankReport`` per rank when every output, gradient and updated parameter
+    matches on every rank at every step; raises ``EquivalenceError`` naming the first diverging tensor,
+    rank and step otherwise; a user error while compiling (``PlanError``, ``ValueError``, ...) is
+    re-raised with its own type; a hung or dead rank raises ``RankFailure`` within ``timeout``.
     """
-    return 2e-2 * lr
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    case = Case(model_fn, dict(mesh_axes), plan, inputs, steps, rtol, atol, lr, seed, loss_fn, rank_hook, want_program)
+    _check_picklable(case)
+    world = math.prod(mesh_axes.values())
+    pool = pool or default_pool()
+    try:
+        reports = pool.run(check_rank, world, case, timeout=timeout)
+    except RemoteError as e:
+        if isinstance(e.original, USER_ERRORS):  # the same mistake on every rank: show it as the user's
+            e.original.args = (f"{e.original}\n(raised on every rank of the mesh; {_replay(case)})",)
+            raise e.original from e
+        raise
+    mismatches = sorted((m for r in reports for m in r.mismatches), key=lambda m: (m.step, m.rank))
+    if mismatches:
+        raise EquivalenceError(_explain(case, mismatches), mismatches)
+    return reports
 
 
-def check_rank(factory: str, model_kwargs: dict[str, Any], mesh_axes: dict[str, int], plan: dict | None,
-               inputs: tuple[torch.Tensor, ...], steps: int = 3, rtol: float = 1e-5, atol: float = 1e-6,
-               lr: float = 1e-3, want_program: bool = False, loss: str = "mean") -> RankReport:
-    """Run in every rank (under ``run_ranks``); see the module docstring."""
+def _check_picklable(case: Case) -> None:
+    for what in ("model_fn", "loss_fn", "rank_hook", "plan"):
+        try:
+            pickle.dumps(getattr(case, what))
+        except Exception as e:  # noqa: BLE001 - lambdas, closures, local classes
+            raise TypeError(f"assert_equivalent: {what} must be picklable to reach the rank processes "
+                            f"(a module-level function or functools.partial, not a lambda or closure): {e}") from e
+
+
+def _explain(case: Case, mismatches: list[Mismatch]) -> str:
+    first_step = min(m.step for m in mismatches)
+    ordered = mismatches  # by step, then rank
+    shown = "\n".join(f"  {m}" for m in ordered[:12])
+    more = f"\n  ... and {len(ordered) - 12} more" if len(ordered) > 12 else ""
+    ranks = sorted({m.rank for m in mismatches})
+    return (f"parallel program differs from the single-device model on mesh {case.mesh_axes}: "
+            f"{len(mismatches)} mismatches on ranks {ranks}, first at step {first_step}\n"
+            f"first: {ordered[0]}\n{shown}{more}\n{_replay(case)}")
+
+
+def _replay(case: Case) -> str:
+    shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else repr(x)
+                       for x in case.inputs)
+    return (f"replay: fxpar.testing.assert_equivalent({describe(case.model_fn)}, {case.mesh_axes!r}, {case.plan!r}, "
+            f"inputs, steps={case.steps}, seed={case.seed})  # inputs: ({shapes})")
+
+
+def describe(fn: Any) -> str:
+    """``fn`` as Python that rebuilds it: ``pkg.module.name``, ``partial(pkg.f, k=v)`` or its repr."""
+    if isinstance(fn, functools.partial):
+        args = [describe(fn.func), *map(repr, fn.args), *(f"{k}={v!r}" for k, v in fn.keywords.items())]
+        return f"functools.partial({', '.join(args)})"
+    if inspect.isfunction(fn) or inspect.isclass(fn):
+        return f"{fn.__module__}.{fn.__qualname__}"
+    return repr(fn)
+
+
+# -- inside each rank ---------------------------------------------------------------------------
+
+
+def check_rank(case: Case) -> RankReport:
+    """Run in every rank of the mesh; see the module docstring."""
     rank = dist.get_rank()
-    mesh = fxpar.Mesh(mesh_axes)
-    torch.manual_seed(0)
-    reference = build(factory, model_kwargs)
-    torch.manual_seed(0)
-    model = build(factory, model_kwargs)
-    pm = fxpar.parallelize(model, mesh, inputs, plan=plan)
-    report = RankReport(rank)
-    if want_program:
-        report.program, report.ledger = pm.program(rank), pm.ledger_table(rank)
-    dp = mesh_axes.get("dp", 1)
-    dp_idx = mesh.coord(rank)[mesh.axis_index("dp")] if "dp" in mesh_axes else 0
-    local = tuple(x.chunk(dp)[dp_idx] for x in inputs)
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr, eps=ADAM_EPS)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=ADAM_EPS)
+    mesh = fxpar.Mesh(case.mesh_axes)
+    reference, model = _build_twice(case)
+    pm = fxpar.parallelize(model, mesh, case.inputs, plan=case.plan)
+    if case.rank_hook is not None:
+        case.rank_hook(pm, rank)
+    report = RankReport(rank, program=pm.program(rank) if case.want_program else "")
+    dtype = next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
+    tol = default_tolerance(dtype, case.rtol, case.atol)
+    local_inputs = _dp_shard(case.inputs, mesh, rank)
+    opt = torch.optim.AdamW(pm.parameters(), lr=case.lr, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
     ref_params = dict(reference.named_parameters())
-    for step in range(steps):
-        out = pm(*local)
-        ref_out = reference(*inputs)
-        out_t = out if isinstance(out, torch.Tensor) else out[0]
-        ref_t = ref_out if isinstance(ref_out, torch.Tensor) else ref_out[0]
-        _compare("output", out_t, ref_t.chunk(dp)[dp_idx], rank, step, rtol, atol, report)
-        loss_val = out_t.float().pow(2).mean() if loss == "mean" else out_t.sum()
-        ref_loss = ref_t.float().pow(2).mean()
-        loss_val.backward()
+    loss_fn = case.loss_fn or mean_square
+    coord, sizes = mesh.coord(rank), mesh.shape
+    for step in range(case.steps):
+        out, ref_out = pm(*local_inputs), reference(*case.inputs)
+        names, ref_leaves = _output_leaves(ref_out)
+        for name, got, want, placements in zip(names, pytree.tree_leaves(out), ref_leaves, pm.output_placements(),
+                                               strict=True):
+            if isinstance(want, torch.Tensor):
+                _compare(name, got, _shard_of(want, placements, coord, sizes), step, tol, report)
+        loss, ref_loss = loss_fn(out), loss_fn(ref_out)
+        loss.backward()
         ref_loss.backward()
-        # the global loss is the mean of the dp ranks' local losses
-        global_loss = loss_val.detach().clone()
-        if dp > 1:
-            dist.all_reduce(global_loss)
-            global_loss /= dist.get_world_size()
-            # every tp rank holds the same loss; the world mean equals the dp mean
-        report.losses.append((global_loss.item(), ref_loss.item()))
+        report.losses.append((_global_mean(loss, mesh), ref_loss.item()))
         for name, p in pm.named_parameters():
-            if p.grad is None:
-                report.mismatches.append(Mismatch(f"grad of {name} is None", rank, step, float("inf"), float("inf")))
-                continue
-            _compare(f"grad of {name}", _full(p.grad), ref_params[name].grad, rank, step, rtol, atol, report)
+            _compare_param(f"grad of {name}", p.grad, ref_params[name].grad, step, tol, report, coord, sizes)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+        param_tol = Tolerance(tol.rtol, tol.param_lr_fraction * case.lr, tol.later_steps, tol.param_lr_fraction)
         for name, p in pm.named_parameters():
-            _compare(f"{name} after step {step + 1}", _full(p.data), ref_params[name].data, rank, step, rtol,
-                     param_atol(lr), report)
+            _compare_param(f"{name} after step {step + 1}", p.data, ref_params[name].data, step, param_tol, report,
+                           coord, sizes, absolute=True)
     return report
+
+
+def mean_square(outputs: Any) -> torch.Tensor:
+    """The default loss: the mean of squares of every floating-point output, summed over outputs."""
+    leaves = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    return sum(o.float().pow(2).mean() for o in leaves)
+
+
+def _build_twice(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(case.seed)
+    reference = case.model_fn()
+    torch.manual_seed(case.seed)
+    model = case.model_fn()
+    for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values(), strict=True):
+        if not torch.equal(a, b):
+            raise ValueError(f"model_fn is not deterministic under torch.manual_seed: {name!r} differs between "
+                             "two builds; initialize every parameter from torch's RNG")
+    return reference, model
+
+
+def _dp_shard(inputs: tuple[Any, ...], mesh: fxpar.Mesh, rank: int) -> tuple[Any, ...]:
+    if mesh.axes.get("dp", 1) == 1:
+        return inputs
+    dp, idx = mesh.axes["dp"], mesh.coord(rank)[mesh.axis_index("dp")]
+    return tuple(x.chunk(dp)[idx] if isinstance(x, torch.Tensor) and x.ndim else x for x in inputs)
+
+
+def _output_leaves(out: Any) -> tuple[list[str], list[Any]]:
+    """Names (``output``, ``output[0]``, ``output.logits``) and leaves of the reference outputs."""
+    flat, _ = pytree.tree_flatten_with_path(out)
+    return [f"output{pytree.keystr(path)}" for path, _ in flat], [leaf for _, leaf in flat]
+
+
+def _shard_of(full: torch.Tensor, placements: Any, coord: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """This rank's piece of ``full`` under ``placements`` (even shards, mesh-axis order)."""
+    for p, c, n in zip(placements, coord, sizes, strict=True):
+        if isinstance(p, Shard):
+            full = full.chunk(n, p.dim)[c]
+    return full
+
+
+def _compare_param(name: str, got: torch.Tensor | None, want: torch.Tensor | None, step: int, tol: Tolerance,
+                   report: RankReport, coord: tuple[int, ...], sizes: tuple[int, ...], absolute: bool = False) -> None:
+    if got is None or want is None:
+        if got is not want:
+            report.mismatches.append(Mismatch(f"{name} is None on one side only", report.rank, step, math.inf,
+                                              math.inf, tol.rtol, tol.atol))
+        return
+    if isinstance(got, DTensor):
+        want = _shard_of(want, got.placements, coord, sizes)
+        got = got.to_local()
+    _compare(name, got, want, step, tol, report, absolute)
+
+
+def _compare(name: str, got: torch.Tensor, want: torch.Tensor, step: int, tol: Tolerance, report: RankReport,
+             absolute: bool = False) -> None:
+    got, want = got.detach().double(), want.detach().double()
+    report.compared += 1
+    if got.shape != want.shape:
+        report.mismatches.append(Mismatch(f"{name} (shape {tuple(got.shape)}, expected {tuple(want.shape)})",
+                                          report.rank, step, math.inf, math.inf, tol.rtol, tol.atol))
+        return
+    rtol, atol = tol.rtol, tol.atol
+    if step > 0 and not absolute:
+        rtol, atol = max(rtol, tol.later_steps), max(atol, tol.later_steps)
+    if not absolute:  # sums of k terms err by ~k*eps*max|term|: scale the floor with the tensor
+        atol *= max(1.0, want.abs().max().item() if want.numel() else 1.0)
+    err = (got - want).abs()
+    max_abs = err.max().item() if err.numel() else 0.0
+    report.worst_abs = max(report.worst_abs, max_abs)
+    if not torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
+        max_rel = (err / want.abs().clamp_min(1e-12)).max().item()
+        report.mismatches.append(Mismatch(name, report.rank, step, max_abs, max_rel, rtol, atol))
+
+
+def _global_mean(loss: torch.Tensor, mesh: fxpar.Mesh) -> float:
+    """The mean over dp ranks of the local losses (every tp rank holds its dp shard's loss)."""
+    total = loss.detach().clone().float()
+    dist.all_reduce(total)
+    return total.item() / mesh.size

@@ -1,0 +1,57 @@
+"""Default tolerances of the equivalence check, by dtype, and why they are what they are.
+
+A parallel program sums the same terms in a different order (a sharded matmul adds partial
+products across ranks, a dp mean adds per-rank gradients), so its results differ from the
+single-device model's by rounding, never by more:
+
+* **Step 0 (outputs, gradients)**: ``rtol`` plus an absolute floor ``atol * max(1, max|ref|)``.
+  A float sum of ``k`` terms errs by about ``k * eps * max|term|``, so the floor scales with the
+  tensor's magnitude. fp32: rtol 1e-5, atol 1e-6.
+* **Parameters after optimizer steps**: AdamW moves each element by about ``lr`` whatever its
+  size (it divides by the element's own RMS). An element whose gradient sits at the rounding
+  floor gets a different relative value from a different reduction order, and Adam turns that
+  into up to a few 1e-3 x ``lr`` of movement. Parameters are held to ``param_lr_fraction * lr``
+  (2% of one step). The harness runs AdamW with ``eps=1e-6``: with 1e-8 such an element can
+  move anywhere within +-lr, which no tolerance can tell from a bug.
+* **Outputs and gradients at later steps** are computed from parameters that may differ by that
+  bound, summed over a fan-in of tens to hundreds: fp32 1e-4. A missing or doubled reduction is
+  still an O(1) relative error.
+
+Low-precision dtypes scale these by their machine epsilon (bf16 eps = 7.8e-3, fp16 9.8e-4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How close a parallel tensor must be to its reference (see the module docstring)."""
+
+    rtol: float
+    atol: float  # multiplied by max(1, max|reference|)
+    later_steps: float  # rtol and atol floor for outputs and gradients of steps >= 1
+    param_lr_fraction: float  # atol of parameters after a step, as a fraction of lr
+
+
+DEFAULTS: dict[torch.dtype, Tolerance] = {
+    torch.float64: Tolerance(rtol=1e-10, atol=1e-12, later_steps=1e-8, param_lr_fraction=1e-4),
+    torch.float32: Tolerance(rtol=1e-5, atol=1e-6, later_steps=1e-4, param_lr_fraction=2e-2),
+    torch.bfloat16: Tolerance(rtol=1.6e-2, atol=1e-2, later_steps=5e-2, param_lr_fraction=0.5),
+    torch.float16: Tolerance(rtol=2e-3, atol=1e-3, later_steps=1e-2, param_lr_fraction=0.2),
+}
+
+
+def default_tolerance(dtype: torch.dtype, rtol: float | None = None, atol: float | None = None) -> Tolerance:
+    """The tolerance for tensors of ``dtype``; ``rtol``/``atol`` override the step-0 values."""
+    base = DEFAULTS.get(dtype, DEFAULTS[torch.float32])
+    rtol = base.rtol if rtol is None else rtol
+    atol = base.atol if atol is None else atol
+    return Tolerance(rtol, atol, max(base.later_steps, rtol, atol), base.param_lr_fraction)
+
+
+# Adam's eps used by the equivalence check (see the module docstring).
+ADAM_EPS = 1e-6
