@@ -30,6 +30,10 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    norm: str = "rms"  # "rms" (RMSNorm) | "layer" (nn.LayerNorm)
+    bias: bool = False  # biases on every attention and MLP Linear
+    mlp: str = "swiglu"  # "swiglu" (gate, up, down) | "gelu" (up, down)
+    dropout: float = 0.0  # after attention and MLP; 0 builds no dropout at all
 
     @property
     def head_dim(self) -> int:
@@ -48,6 +52,15 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
+
+
+def make_norm(cfg: LlamaConfig) -> nn.Module:
+    """The configured normalization over ``cfg.hidden``."""
+    if cfg.norm == "layer":
+        return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
+    if cfg.norm != "rms":
+        raise ValueError(f"LlamaConfig.norm must be 'rms' or 'layer', got {cfg.norm!r}")
+    return RMSNorm(cfg.hidden, cfg.norm_eps)
 
 
 def rope_cos_sin(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,10 +86,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.q = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.q = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.k = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.v = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -93,29 +106,35 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU ``down(silu(gate(x)) * up(x))``, or with ``cfg.mlp == "gelu"`` ``down(gelu(up(x)))``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.up = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        if cfg.mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"LlamaConfig.mlp must be 'swiglu' or 'gelu', got {cfg.mlp!r}")
+        if cfg.mlp == "swiglu":
+            self.gate = nn.Linear(cfg.hidden, cfg.intermediate, bias=cfg.bias)
+        self.up = nn.Linear(cfg.hidden, cfg.intermediate, bias=cfg.bias)
+        self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if hasattr(self, "gate"):
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x)))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
 class Llama(nn.Module):
@@ -125,7 +144,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -174,6 +193,6 @@ def hf_llama_plan() -> dict[str, str]:
     return {f"model.layers.*.{_HF_NAMES[name]}": style for name, style in _MEGATRON.items()}
 
 
-def llama(**config: int | float | bool) -> Llama:
+def llama(**config: int | float | bool | str) -> Llama:
     """A fresh ``Llama(LlamaConfig(**config))`` (a picklable factory for multi-rank tests)."""
     return Llama(LlamaConfig(**config))

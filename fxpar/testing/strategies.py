@@ -1,0 +1,197 @@
+"""Hypothesis strategies over (model, mesh, plan) for property tests of parallel programs.
+
+* ``meshes(max_world)``: ``{"dp": d, "tp": t}`` dicts (size-1 axes left out), smallest first.
+* ``models()``: picklable model specs, MLPs and Llama-style transformers with odd widths, GQA,
+  biases, LayerNorm or RMSNorm, tied embeddings, dropout off. A spec is the ``model_fn`` of
+  ``assert_equivalent``; ``spec.inputs(batch, seed)`` makes its example inputs.
+* ``plans(spec, mesh)``: tensor-parallel plans whose sharded dims divide the ``tp`` axis.
+
+Every choice is drawn from a list ordered simplest first, so hypothesis shrinks a failure to
+a minimal (model, mesh, plan); specs print as valid Python, so the falsifying example it
+reports can be pasted into ``assert_equivalent`` to replay it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from fxpar.models.llama import Llama, LlamaConfig
+from fxpar.models.mlp import MLP
+
+STYLES = ("replicate", "colwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """``fxpar.models.mlp.MLP``: ``down(act(norm(up(x))))``."""
+
+    dim: int = 8
+    hidden: int = 16
+    out: int = 4
+    bias: bool = True
+    activation: str = "gelu"
+    norm: str | None = None
+
+    def __call__(self) -> torch.nn.Module:
+        return MLP(self.dim, self.hidden, self.out, self.bias, self.activation, self.norm)
+
+    def inputs(self, batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(batch, self.dim, generator=g),)
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """Module path -> (in_features, out_features) of every Linear a plan may shard."""
+        return {"up": (self.dim, self.hidden), "down": (self.hidden, self.out)}
+
+    def embeddings(self) -> dict[str, int]:
+        """Module path -> embedding dim of every Embedding a plan may shard (colwise)."""
+        return {}
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """``fxpar.models.llama.Llama`` with the given shape and options (see ``LlamaConfig``)."""
+
+    layers: int = 1
+    heads: int = 2
+    kv_heads: int = 1
+    head_dim: int = 4
+    intermediate: int = 16
+    vocab: int = 32
+    norm: str = "rms"
+    bias: bool = False
+    mlp: str = "swiglu"
+    tied: bool = False
+    seq: int = 8
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
+
+    def config(self) -> LlamaConfig:
+        return LlamaConfig(vocab_size=self.vocab, hidden=self.hidden, intermediate=self.intermediate,
+                           n_layers=self.layers, n_heads=self.heads, n_kv_heads=self.kv_heads, max_seq=self.seq,
+                           norm=self.norm, bias=self.bias, mlp=self.mlp, tie_embeddings=self.tied, dropout=0.0)
+
+    def __call__(self) -> torch.nn.Module:
+        return Llama(self.config())
+
+    def inputs(self, batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randint(0, self.vocab, (batch, self.seq), generator=g),)
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = {"attn.q": (h, q), "attn.k": (h, kv), "attn.v": (h, kv), "attn.o": (q, h),
+                     "mlp.up": (h, self.intermediate), "mlp.down": (self.intermediate, h)}
+        if self.mlp == "swiglu":
+            per_layer["mlp.gate"] = (h, self.intermediate)
+        out = {f"layers.*.{name}": dims for name, dims in per_layer.items()}
+        out["lm_head"] = (h, self.vocab)
+        return out
+
+    def embeddings(self) -> dict[str, int]:
+        return {"embed": self.hidden}
+
+
+ModelSpec = MLPSpec | TransformerSpec
+
+
+def meshes(max_world: int = 8, axes: tuple[str, ...] = ("dp", "tp")) -> st.SearchStrategy[dict[str, int]]:
+    """Meshes of 2..``max_world`` ranks over ``axes`` (power-of-two sizes), smallest world first."""
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    found = []
+    for dp in sizes:
+        for tp in sizes:
+            world = (dp if "dp" in axes else 1) * (tp if "tp" in axes else 1)
+            mesh = {a: n for a, n in (("dp", dp), ("tp", tp)) if a in axes and n > 1}
+            if 2 <= world <= max_world and mesh not in found:
+                found.append(mesh)
+    found.sort(key=lambda m: (_world(m), len(m), list(m)))
+    return st.sampled_from(found)
+
+
+def _world(mesh: dict[str, int]) -> int:
+    out = 1
+    for n in mesh.values():
+        out *= n
+    return out
+
+
+def mlp_specs() -> st.SearchStrategy[MLPSpec]:
+    """MLPs with odd and even widths, with or without biases and a norm over the hidden features."""
+    return st.builds(
+        MLPSpec,
+        dim=st.sampled_from([8, 5, 12, 7, 16]),
+        hidden=st.sampled_from([16, 8, 12, 24, 6, 20, 9]),
+        out=st.sampled_from([4, 8, 3, 6, 10]),
+        bias=st.booleans(),
+        activation=st.sampled_from(["gelu", "relu", "silu", "tanh"]),
+        norm=st.sampled_from([None, "layer", "rms"]),
+    )
+
+
+@st.composite
+def transformer_specs(draw: st.DrawFn, max_layers: int = 2) -> TransformerSpec:
+    """Llama-style decoders: MHA or GQA (kv heads divide heads), odd vocabularies and widths."""
+    heads = draw(st.sampled_from([2, 4, 1, 3, 6]))
+    kv_heads = draw(st.sampled_from([d for d in (1, 2, 3, 4, 6) if heads % d == 0]))
+    return TransformerSpec(
+        layers=draw(st.integers(1, max_layers)),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from([4, 2, 6, 8])),
+        intermediate=draw(st.sampled_from([16, 8, 12, 24, 20, 18])),
+        vocab=draw(st.sampled_from([32, 16, 31, 50, 24])),
+        norm=draw(st.sampled_from(["rms", "layer"])),
+        bias=draw(st.booleans()),
+        mlp=draw(st.sampled_from(["swiglu", "gelu"])),
+        tied=draw(st.booleans()),
+        seq=draw(st.sampled_from([8, 4, 5, 7])),
+    )
+
+
+def models(kind: str | None = None) -> st.SearchStrategy[ModelSpec]:
+    """MLP and transformer specs (``kind`` = ``"mlp"`` or ``"transformer"`` to pick one family)."""
+    if kind == "mlp":
+        return mlp_specs()
+    if kind == "transformer":
+        return transformer_specs()
+    return st.one_of(mlp_specs(), transformer_specs())
+
+
+@st.composite
+def plans(draw: st.DrawFn, spec: ModelSpec, mesh: dict[str, int]) -> dict[str, str] | None:
+    """A tensor-parallel plan for ``spec`` on ``mesh``: each Linear gets a style whose sharded dim
+    divides ``tp`` (``colwise`` shards out_features, ``rowwise`` in_features), each Embedding
+    replicate or colwise. ``None`` when the mesh has no ``tp`` axis or nothing is drawn sharded."""
+    tp = mesh.get("tp", 1)
+    if tp == 1:
+        return None
+    plan: dict[str, str] = {}
+    for path, (fan_in, fan_out) in spec.linears().items():
+        allowed = [s for s in STYLES if _divides(s, fan_in, fan_out, tp)]
+        plan[path] = draw(st.sampled_from(allowed))
+    for path, dim in spec.embeddings().items():
+        plan[path] = draw(st.sampled_from(["replicate", "colwise"] if dim % tp == 0 else ["replicate"]))
+    sharded = {k: v for k, v in plan.items() if v != "replicate"}
+    return sharded or None
+
+
+def _divides(style: str, fan_in: int, fan_out: int, tp: int) -> bool:
+    return style == "replicate" or (style == "colwise" and fan_out % tp == 0) or (
+        style == "rowwise" and fan_in % tp == 0)
+
+
+@st.composite
+def cases(draw: st.DrawFn, kind: str | None = None, max_world: int = 8) -> tuple[ModelSpec, dict[str, int], Any, int]:
+    """A whole property-test case: (spec, mesh, plan, batch); the batch divides ``dp``."""
+    mesh = draw(meshes(max_world))
+    spec = draw(models(kind))
+    plan = draw(plans(spec, mesh))
+    batch = mesh.get("dp", 1) * draw(st.sampled_from([2, 1, 3]))
+    return spec, mesh, plan, batch
