@@ -31,6 +31,7 @@ SHAPE_ARG = {
     aten.slice_backward.default: 1, aten.select_backward.default: 1,
 }
 SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
+VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,28 @@ class _Lowerer:
             for step in steps:
                 current[self.mesh.axis_index(step.axis)] = step.dst
                 x = self.apply_step(x, step, tuple(current), module)
-            self.cache[key] = x
+            self.cache[key] = self.restore_layout(x, self.prog.node(producer).meta["val"], dst, module)
         return self.cache[key]
+
+    def restore_layout(self, x: fx.Node, like: torch.Tensor, placements: Placements, module: str) -> fx.Node:
+        """``x`` laid out in the dim order of the global value ``like``.
+
+        A gather along dim d returns the collective's buffer moved back by ``movedim``, so its
+        memory order differs from the global tensor's; kernels called below the dispatcher (the
+        CPU flash-attention kernel reads the last dim as contiguous) assume the traced layout.
+        """
+        val = x.meta["val"]
+        big = [i for i in range(val.ndim) if val.shape[i] > 1 and like.shape[i] > 1]
+        order = stride_order(like)
+        if [i for i in stride_order(val) if i in big] == [i for i in order if i in big]:
+            return x
+        contiguous = {"memory_format": torch.contiguous_format}
+        if order == list(range(like.ndim)):
+            return self.emit(aten.clone.default, (x,), contiguous, placements=placements, module=module)
+        y = self.emit(aten.permute.default, (x, order), module=module)
+        y = self.emit(aten.clone.default, (y,), contiguous, module=module)
+        inverse = [order.index(i) for i in range(like.ndim)]
+        return self.emit(aten.permute.default, (y, inverse), placements=placements, module=module)
 
     def apply_step(self, x: fx.Node, step: Step, after: Placements, module: str) -> fx.Node:
         n = self.mesh.axes[step.axis]
@@ -244,6 +265,10 @@ class _Lowerer:
         if target in SHAPE_ARG and isinstance(placements, tuple) and any(isinstance(p, Shard) for p in placements):
             i = SHAPE_ARG[target]
             args = (*args[:i], local_shape(node.meta["val"].shape, placements, self.mesh.shape), *args[i + 1:])
+        if target in VIEWS and not _viewable(args[0].meta["val"], args[1], self.fake):
+            # a layout that was viewable globally may not be locally (a gathered tensor is laid out
+            # as the collective wrote it): the graph is functional, so a copying reshape is exact
+            target = aten.reshape.default
         if target in SQUEEZES:
             shape = node.args[0].meta["val"].shape
             dims = [args[1]] if target is aten.squeeze.dim else (args[1] if len(args) > 1 else range(len(shape)))
@@ -265,6 +290,21 @@ class _Lowerer:
             else:
                 outs.append(self.env[arg.name])
         self.graph.output(tuple(outs))
+
+
+def stride_order(t: torch.Tensor) -> list[int]:
+    """Dims from outermost to innermost in memory (ties, e.g. size-1 dims, by index)."""
+    return sorted(range(t.ndim), key=lambda i: (-t.stride()[i], i))
+
+
+def _viewable(x: torch.Tensor, shape: list[int], fake: FakeTensorMode) -> bool:
+    """Whether ``x.view(shape)`` is valid for ``x``'s strides."""
+    try:
+        with fake:
+            x.view(shape)
+        return True
+    except (RuntimeError, ValueError):
+        return False
 
 
 def lower(prog: Program, rank: int) -> RankProgram:
