@@ -40,6 +40,7 @@ PARTIAL_SUMS = {aten.add.Tensor, aten.sub.Tensor}  # partial only if every tenso
 VIEW_LIKE = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
              aten.permute.default, aten.detach.default, aten.alias.default, aten._to_copy.default}
 PARAM_PENALTY = 1e6
+Taken = tuple[dict[int, set[int]], dict[int, set[int]]]  # tensor input / output index -> sharded dims
 NO_CANDIDATE = math.inf
 
 
@@ -115,7 +116,7 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
         if n == 1:
             cand = Candidate(tuple(Replicate() for _ in cur), _all(val, Replicate()))
         else:
-            cand = _choose(node, tensor_args, cur, n, param_like)
+            cand = _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out))
         per_axis_in.append(cand.inputs)
         per_axis_out.append(cand.output)
     arg_placements[node.name] = tuple(tuple(ins) for ins in zip(*per_axis_in, strict=True)) if tensor_args else ()
@@ -143,8 +144,22 @@ def _all(val: Any, p: Placement) -> Any:
 _warned: set[str] = set()
 
 
+def _taken_dims(per_axis_in: list[tuple[Placement, ...]], per_axis_out: list[Any]) -> Taken:
+    """Dims that earlier mesh axes already shard, per tensor input and per output."""
+    ins: dict[int, set[int]] = {}
+    outs: dict[int, set[int]] = {}
+    for chosen_in, chosen_out in zip(per_axis_in, per_axis_out, strict=True):
+        for i, p in enumerate(chosen_in):
+            if isinstance(p, Shard):
+                ins.setdefault(i, set()).add(p.dim)
+        for i, p in enumerate(chosen_out if isinstance(chosen_out, tuple) else (chosen_out,)):
+            if isinstance(p, Shard):
+                outs.setdefault(i, set()).add(p.dim)
+    return ins, outs
+
+
 def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: int,
-            param_like: set[str]) -> Candidate:
+            param_like: set[str], taken: Taken) -> Candidate:
     """The cheapest allowed candidate on one axis; replicate everything if none is known."""
     args = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.args)
     kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
@@ -163,11 +178,23 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
     fallback = Candidate(tuple(Replicate() for _ in cur), _all(node.meta["val"], Replicate()))
     best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like), 1, 0)
     for i, cand in enumerate(found or []):
-        cost = _cost(node, cand, tensor_args, cur, n, param_like)
+        cost = _cost(node, cand, tensor_args, cur, n, param_like) if _disjoint(cand, taken) else NO_CANDIDATE
         key = (cost, sum(c != r for c, r in zip(cur, cand.inputs, strict=True)), i)
         if cost < NO_CANDIDATE and key < best_key:
             best, best_key = cand, key
     return best
+
+
+def _disjoint(cand: Candidate, taken: Taken) -> bool:
+    """Whether ``cand`` shards no dim that an earlier mesh axis already shards (fxpar keeps one axis per dim)."""
+    ins, outs = taken
+    for i, p in enumerate(cand.inputs):
+        if isinstance(p, Shard) and p.dim in ins.get(i, ()):
+            return False
+    for i, p in enumerate(cand.output if isinstance(cand.output, tuple) else (cand.output,)):
+        if isinstance(p, Shard) and p.dim in outs.get(i, ()):
+            return False
+    return True
 
 
 def _cost(node: fx.Node, cand: Candidate, tensor_args: list[fx.Node], cur: list[Placement], n: int,
