@@ -23,8 +23,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# bench: ledger vs optimum, compile time, step time vs DTensor; JSON in bench/results/, tables in bench/README.md.
+# Quick run: make bench BENCH_ARGS="--layers 2,8"
 bench: $(STAMP)
-	$(VENV)/bin/python bench/compare_dtensor.py
+	$(VENV)/bin/python bench/run_all.py $(BENCH_ARGS)
 
 # rewrites tests/golden/*.txt (printed rank programs + ledgers) that tests/test_golden.py diffs against
 golden: $(STAMP)

@@ -1,0 +1,44 @@
+"""``make bench``: the three benchmarks, one after the other, each writing its JSON and README table.
+
+    .venv/bin/python bench/run_all.py                    # full run (about 10-15 min on 2 cores)
+    .venv/bin/python bench/run_all.py --layers 2,8       # quick: compile time at 2 and 8 layers only
+
+1. ``ledger_optimum.py``: communication ledger vs analytic optimum, every supported plan (compile-only);
+2. ``compile_time.py``: parallelize vs bare export and joint capture at Llama-3-70B widths;
+3. ``compare_dtensor.py``: step time and collectives vs hand-written DTensor on real gloo ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def commands(layers: str, repeats: int) -> list[list[str]]:
+    """The three benchmark command lines, in the order they run."""
+    py = sys.executable
+    return [[py, os.path.join(HERE, "ledger_optimum.py")],
+            [py, os.path.join(HERE, "compile_time.py"), "--layers", layers],
+            [py, os.path.join(HERE, "compare_dtensor.py"), "--repeats", str(repeats)]]
+
+
+def main() -> None:
+    """Run every benchmark; stop at the first failure."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="2,8,32,80", help="layer counts for compile_time.py")
+    parser.add_argument("--repeats", type=int, default=3, help="launches per mesh for compare_dtensor.py")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    for cmd in commands(args.layers, args.repeats):
+        print(f"\n== {' '.join(os.path.relpath(c) if c.endswith('.py') else c for c in cmd)}", flush=True)
+        subprocess.run(cmd, check=True)
+    print(f"\nall benchmarks done in {time.perf_counter() - t0:.0f} s; tables in bench/README.md")
+
+
+if __name__ == "__main__":
+    main()
