@@ -1,24 +1,23 @@
 """fxpar vs hand-written DTensor Megatron TP: collectives, bytes and step time on the bundled Llama.
 
-One command, launches its own gloo ranks (tp=2 on 2 ranks, then dp=2 x tp=2 on 4 ranks)::
+One command, launches its own gloo ranks (tp=2 on 2 ranks, then dp=2 x tp=2 on 4 ranks), ``--repeats``
+times per mesh (default 3) for the spread of the step-time ratio::
 
-    python bench/compare_dtensor.py
+    .venv/bin/python bench/compare_dtensor.py
 
 Bytes of a collective are the full tensor it reduces or produces (fxpar's ledger definition): an
 all_reduce counts its input, an all_gather its gathered output, a reduce_scatter its unscattered input.
 DTensor's counts come from ``count_collectives`` (per-rank input bytes) and are converted to that
 definition. On the 2-D mesh the DTensor model is ``parallelize_module``-d on the tp submesh and each
 gradient is averaged over dp with one explicit ``all_reduce`` (as DDP without bucketing would).
-Results go to ``bench/results/compare_dtensor.json``; a markdown table is printed.
+Results go to ``bench/results/compare_dtensor.json`` and the ``dtensor`` section of ``bench/README.md``.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
-import json
 import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common import environment, save_json, write_readme_section
 from dtensor_baseline import count_collectives, dtensor_megatron
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -38,7 +38,7 @@ from fxpar.testing.launch import run_ranks
 BATCH, SEQ, N_LAYERS = 4, 32, 4
 WARMUP, STEPS, ROUNDS = 3, 20, 4
 MESHES: list[dict[str, int]] = [{"tp": 2}, {"dp": 2, "tp": 2}]
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "compare_dtensor.json")
+COMMAND = ".venv/bin/python bench/compare_dtensor.py"
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -214,54 +214,70 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(axes: dict[str, int], res: dict[str, Any]) -> list[str]:
-    """Markdown lines for one mesh: per-phase counts/bytes vs the optimum, step times, loss check."""
+    """Markdown lines for one mesh: per-phase counts/bytes vs the optimum, step times over the runs, loss check."""
     name = " x ".join(f"{k}={v}" for k, v in axes.items())
-    lines = [f"### mesh {name} (rank 0)", "", "| | phase | collectives | bytes | by kind | count / opt | bytes / opt |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"**{name}** ({math.prod(axes.values())} ranks; collectives of rank 0)", "",
+             "| | phase | collectives | bytes | by kind | count / opt | bytes / opt |", "|---|---|---|---|---|---|---|"]
     for who in ("fxpar", "dtensor", "optimum"):
         phases = res["summary"][who]
         lines += [f"| {who} | {ph} | {r['count']} | {r['bytes']:,} | {r['kinds']} | {r['count_ratio']:.2f} | "
                   f"{r['bytes_ratio']:.2f} |" for ph, r in phases.items()]
-    t, loss = res["time"], res["loss"]
-    lines += ["", "| step time (fwd+bwd+AdamW) | median ms | min ms | max ms |", "|---|---|---|---|"]
-    lines += [f"| {who} | {t[who]['median_ms']:.1f} | {t[who]['min_ms']:.1f} | {t[who]['max_ms']:.1f} |"
-              for who in ("fxpar", "dtensor")]
-    lines += ["", f"fxpar/DTensor median step time: **{t['ratio_fxpar_over_dtensor']:.2f}**  ",
-              f"loss: reference {loss['reference']:.6f}; |fxpar - ref| = {abs(loss['fxpar'] - loss['reference']):.2e}; "
+    runs, loss = res["runs"], res["loss"]
+    lines += ["", "| step time (fwd+bwd+AdamW) | median ms (median of runs) | per-run medians ms | min ms | max ms |",
+              "|---|---|---|---|---|"]
+    for who in ("fxpar", "dtensor"):
+        medians = [r[who]["median_ms"] for r in runs]
+        lines.append(f"| {who} | {statistics.median(medians):.1f} | {', '.join(f'{m:.1f}' for m in medians)} | "
+                     f"{min(r[who]['min_ms'] for r in runs):.1f} | {max(r[who]['max_ms'] for r in runs):.1f} |")
+    ratios = [r["ratio_fxpar_over_dtensor"] for r in runs]
+    lines += ["", f"fxpar/DTensor median step time: **{statistics.median(ratios):.2f}** (median of {len(runs)} runs; "
+              f"per run: {', '.join(f'{x:.2f}' for x in ratios)}).  ",
+              f"Loss: reference {loss['reference']:.6f}; |fxpar - ref| = {abs(loss['fxpar'] - loss['reference']):.2e}; "
               f"|DTensor - ref| = {abs(loss['dtensor'] - loss['reference']):.2e}", ""]
     return lines
 
 
-def _cpu_name() -> str:
-    """The CPU model from ``/proc/cpuinfo`` (Linux), else ``platform.machine()``."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
+def run_mesh(axes: dict[str, int], repeats: int) -> dict[str, Any]:
+    """``repeats`` independent launches on one mesh: collectives and loss of the first, step times of all."""
+    runs = [run_ranks(rank_main, math.prod(axes.values()), axes, timeout=300, collective_timeout=120)[0]
+            for _ in range(repeats)]
+    res = runs[0]
+    observed = {ph: _totals(res["fxpar_observed"][ph]) for ph in ("fwd", "bwd")}
+    res["ledger_matches_observed"] = observed == {ph: _totals(res["fxpar"][ph]) for ph in ("fwd", "bwd")}
+    res["collectives_same_in_every_run"] = all(r["fxpar"] == res["fxpar"] and r["dtensor"] == res["dtensor"]
+                                               for r in runs)
+    res["summary"] = summarize(res)
+    res["runs"] = [r["time"] for r in runs]
+    return res
 
 
 def main() -> None:
-    """Run every mesh, check the ledger against what fxpar actually issued, print and save."""
+    """Run every mesh ``--repeats`` times, check the ledger against what fxpar issued, print, save, update README."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="independent launches per mesh (default 3)")
+    parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
+    args = parser.parse_args()
     t0 = time.perf_counter()
     results, lines = [], []
     for axes in MESHES:
-        res = run_ranks(rank_main, math.prod(axes.values()), axes, timeout=300, collective_timeout=120)[0]
-        observed = {ph: _totals(res["fxpar_observed"][ph]) for ph in ("fwd", "bwd")}
-        res["ledger_matches_observed"] = observed == {ph: _totals(res["fxpar"][ph]) for ph in ("fwd", "bwd")}
-        res["summary"] = summarize(res)
+        res = run_mesh(axes, args.repeats)
         lines += report(axes, res)
         results.append({"mesh": axes, **res})
-    env = {"torch": torch.__version__, "backend": "gloo", "cpus": os.cpu_count(), "machine": _cpu_name(),
-           "python": platform.python_version(), "threads_per_rank": 1, "batch": BATCH, "seq": SEQ, "n_layers": N_LAYERS,
-           "warmup": WARMUP, "steps": STEPS, "rounds": ROUNDS, "wall_s": time.perf_counter() - t0}
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump({"env": env, "results": results}, f, indent=1)
+    command = COMMAND + ("" if args.repeats == 3 else f" --repeats {args.repeats}")
+    lines = [f"`{command}` ({args.repeats} launches per mesh, {ROUNDS} rounds of {STEPS // ROUNDS} timed steps "
+             f"per system in each)", "", *lines]
+    env = {**environment(), "backend": "gloo", "threads_per_rank": 1, "batch": BATCH, "seq": SEQ,
+           "n_layers": N_LAYERS, "warmup": WARMUP, "steps": STEPS, "rounds": ROUNDS, "repeats": args.repeats,
+           "wall_s": time.perf_counter() - t0}
+    path = save_json("compare_dtensor", {"env": env, "command": command, "results": results})
     print("\n".join(lines))
     for r in results:
-        print(f"mesh {r['mesh']}: fxpar ledger == collectives fxpar issued at run time: {r['ledger_matches_observed']}")
-    print(f"wrote {OUT} ({env['wall_s']:.0f} s)")
+        print(f"mesh {r['mesh']}: fxpar ledger == collectives fxpar issued at run time: "
+              f"{r['ledger_matches_observed']}; collectives identical in every run: "
+              f"{r['collectives_same_in_every_run']}")
+    if not args.no_readme:
+        write_readme_section("dtensor", lines)
+    print(f"wrote {path} ({env['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

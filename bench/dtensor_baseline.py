@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -62,11 +63,28 @@ def _nbytes(x: Any) -> int:
     return 0
 
 
+class _ModuleTracker(_CommModeModuleTracker):
+    """CommDebugMode's module tracker, fixed for a module called more than once per forward.
+
+    The stock tracker registers one more forward hook on a module at each of its calls, so a module
+    called twice in one forward (the bundled Llama's ``Block.drop``, an ``nn.Identity`` applied to both
+    residual branches) pops the parent stack too often and raises ``IndexError``. Here the module's
+    previous hook is removed before the new one is registered.
+    """
+
+    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+        old = self.register_forward_hook_handles.get(self._get_mod_name(mod))
+        if old is not None:
+            old.remove()
+        super()._fw_pre_hook(mod, input)
+
+
 class _ByteCountingCommMode(CommDebugMode):
     """CommDebugMode that also sums, per collective kind, the bytes of the tensors handed to it."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.advanced_module_tracker = _ModuleTracker()
         self.comm_bytes: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
