@@ -1,8 +1,8 @@
 """Property suite: random (model, mesh, plan) cases, each checked by ``assert_equivalent`` on real gloo ranks.
 
 Models, meshes and plans come from ``fxpar.testing.strategies``: MLPs and Llama-style transformers with odd
-widths, GQA, biases, LayerNorm/RMSNorm and tied embeddings, on meshes of up to 8 ranks, under random per-module
-tensor-parallel plans. Each example compares outputs, gradients and parameters after 2 AdamW steps on every
+widths, GQA, biases, LayerNorm/RMSNorm and tied embeddings, under random per-module tensor-parallel plans; MLPs on
+meshes of up to 8 ranks, transformers (whose compile dominates: every rank compiles) on up to 4. Each example compares outputs, gradients and parameters after 2 AdamW steps on every
 rank. The seed is printed in the session summary (``tests/conftest.py``); hypothesis shrinks a failure to a
 minimal case and prints it with a ``@reproduce_failure`` blob.
 """
@@ -37,6 +37,6 @@ def test_mlp_matches_single_device(case: tuple[ModelSpec, dict[str, int], dict[s
 
 @seed(PROPERTY_SEED)
 @settings(max_examples=TRANSFORMER_EXAMPLES)
-@given(cases(kind="transformer", max_world=8))
+@given(cases(kind="transformer", max_world=4))
 def test_transformer_matches_single_device(case: tuple[ModelSpec, dict[str, int], dict[str, str] | None, int]) -> None:
     _check("transformer", case)

@@ -130,11 +130,12 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.attn_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.mlp_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+        x = x + self.attn_drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.mlp_drop(self.mlp(self.mlp_norm(x)))
 
 
 class Llama(nn.Module):
