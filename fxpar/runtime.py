@@ -67,6 +67,7 @@ class ParallelModule(torch.nn.Module):
         self._programs: dict[int, RankProgram] = {}
         self._runner: _Runner | None = None
         self._rank = rank
+        self.timings: dict[str, float] = dict(prog.notes.get("timings", {}))
         if rank is not None and model is not None:
             self._materialize(model)
 

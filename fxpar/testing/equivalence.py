@@ -30,6 +30,9 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
 import fxpar
+from fxpar import serialize
+from fxpar.api import compile_program
+from fxpar.ir import Program
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
 from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
 
@@ -176,7 +179,8 @@ def check_rank(case: Case) -> RankReport:
     rank = dist.get_rank()
     mesh = fxpar.Mesh(case.mesh_axes)
     reference, model = _build_twice(case)
-    pm = fxpar.parallelize(model, mesh, case.inputs, plan=case.plan)
+    mesh.device_mesh()  # validates the world size, as parallelize does
+    pm = fxpar.ParallelModule(_compile_once(model, mesh, case), model, rank)
     if case.rank_hook is not None:
         case.rank_hook(pm, rank)
     report = RankReport(rank, program=pm.program(rank) if case.want_program else "")
@@ -210,6 +214,25 @@ def check_rank(case: Case) -> RankReport:
             _compare_param(f"{name} after step {step + 1}", p.data, ref_params[name].data, step, param_tol, report,
                            coord, sizes, absolute=True)
     return report
+
+
+def _compile_once(model: torch.nn.Module, mesh: fxpar.Mesh, case: Case) -> Program:
+    """The global program, compiled on rank 0 and sent to every rank (``fxpar.serialize``).
+
+    ``fxpar.parallelize`` compiles on every rank; the programs are identical, and compiling once
+    makes a many-rank check on a small machine several times cheaper. Every rank (rank 0 too) runs
+    the deserialized program, so all ranks take the same path. A compile error is re-raised on all ranks.
+    """
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = serialize.dumps(compile_program(model, mesh, case.inputs, case.plan))
+        except Exception as e:  # noqa: BLE001 - sent to every rank, then raised everywhere
+            payload[0] = e
+    dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], BaseException):
+        raise payload[0]
+    return serialize.loads(payload[0], mesh)
 
 
 def mean_square(outputs: Any) -> torch.Tensor:
