@@ -1,16 +1,18 @@
 """Property suite: random (model, mesh, plan) cases, each checked by ``assert_equivalent`` on real gloo ranks.
 
 Models, meshes and plans come from ``fxpar.testing.strategies``: MLPs and Llama-style transformers with odd
-widths, GQA, biases, LayerNorm/RMSNorm and tied embeddings, under random per-module tensor-parallel plans; MLPs on
-meshes of up to 8 ranks, transformers (whose compile dominates: every rank compiles) on up to 4. Each example compares outputs, gradients and parameters after 2 AdamW steps on every
-rank. The seed is printed in the session summary (``tests/conftest.py``); hypothesis shrinks a failure to a
-minimal case and prints it with a ``@reproduce_failure`` blob.
+widths, GQA, biases, LayerNorm/RMSNorm and tied embeddings, under random per-module tensor-parallel plans.
+MLPs run on meshes of up to 8 ranks, transformers (whose compile and lowering dominate) on up to 4. Each
+example compares outputs, gradients and parameters after 2 AdamW steps on every rank. The seed is printed
+in the session summary (``tests/conftest.py``); hypothesis shrinks a failure to a minimal case and prints
+it with a ``@reproduce_failure`` blob.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from conftest import PROPERTY_EXAMPLES, PROPERTY_SEED
 from hypothesis import given, seed, settings
 
@@ -19,7 +21,7 @@ from fxpar.testing.strategies import ModelSpec, cases
 
 SCALE = float(os.environ.get("FXPAR_PROPERTY_SCALE", "1"))  # e.g. 5 for a long local run
 MLP_EXAMPLES = int(140 * SCALE)
-TRANSFORMER_EXAMPLES = int(70 * SCALE)
+TRANSFORMER_EXAMPLES = int(60 * SCALE)
 
 
 def _check(family: str, case: tuple[ModelSpec, dict[str, int], dict[str, str] | None, int]) -> None:
@@ -28,6 +30,7 @@ def _check(family: str, case: tuple[ModelSpec, dict[str, int], dict[str, str] | 
     assert_equivalent(spec, mesh, plan, spec.inputs(batch), steps=2)
 
 
+@pytest.mark.timeout(1200)
 @seed(PROPERTY_SEED)
 @settings(max_examples=MLP_EXAMPLES)
 @given(cases(kind="mlp", max_world=8))
@@ -35,6 +38,7 @@ def test_mlp_matches_single_device(case: tuple[ModelSpec, dict[str, int], dict[s
     _check("mlp", case)
 
 
+@pytest.mark.timeout(1200)
 @seed(PROPERTY_SEED)
 @settings(max_examples=TRANSFORMER_EXAMPLES)
 @given(cases(kind="transformer", max_world=4))
