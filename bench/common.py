@@ -76,3 +76,13 @@ def write_readme_section(name: str, lines: list[str], readme: str = README) -> N
     body = "\n".join([start, *lines, end])
     with open(readme, "w") as f:
         f.write(pattern.sub(lambda _: body, text))
+
+
+def publish(name: str, section: str, lines: list[str], data: Any, readme: bool, extra: list[str] = ()) -> str:
+    """Save ``data`` as ``results/<name>.json``, print ``lines`` (then ``extra``), and unless ``readme`` is
+    False write ``lines`` into the README section ``section``; return the JSON path."""
+    path = save_json(name, data)
+    print("\n".join([*lines, *extra]))
+    if readme:
+        write_readme_section(section, lines)
+    return path

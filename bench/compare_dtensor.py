@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import environment, save_json, write_readme_section
+from common import environment, publish
 from dtensor_baseline import count_collectives, dtensor_megatron
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -269,14 +269,11 @@ def main() -> None:
     env = {**environment(), "backend": "gloo", "threads_per_rank": 1, "batch": BATCH, "seq": SEQ,
            "n_layers": N_LAYERS, "warmup": WARMUP, "steps": STEPS, "rounds": ROUNDS, "repeats": args.repeats,
            "wall_s": time.perf_counter() - t0}
-    path = save_json("compare_dtensor", {"env": env, "command": command, "results": results})
-    print("\n".join(lines))
-    for r in results:
-        print(f"mesh {r['mesh']}: fxpar ledger == collectives fxpar issued at run time: "
+    checks = [f"mesh {r['mesh']}: fxpar ledger == collectives fxpar issued at run time: "
               f"{r['ledger_matches_observed']}; collectives identical in every run: "
-              f"{r['collectives_same_in_every_run']}")
-    if not args.no_readme:
-        write_readme_section("dtensor", lines)
+              f"{r['collectives_same_in_every_run']}" for r in results]
+    path = publish("compare_dtensor", "dtensor", lines, {"env": env, "command": command, "results": results},
+                   not args.no_readme, checks)
     print(f"wrote {path} ({env['wall_s']:.0f} s)")
 
 

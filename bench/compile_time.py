@@ -37,7 +37,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
-from common import environment, markdown_table, save_json, write_readme_section
+from common import environment, markdown_table, publish
 
 MESH = {"dp": 8, "tp": 8}
 BATCH, SEQ = 8, 4096
@@ -231,12 +231,9 @@ def main() -> None:
     lines = [f"`{command}` (mesh dp=8 x tp=8 fake, batch {BATCH} x seq {SEQ}, Llama-3-70B widths on meta; "
              f"each cell: the fastest of {args.repeats} fresh processes)", "",
              *tables(results)]
-    path = save_json("compile_time", {"env": environment(), "command": command, "mesh": MESH, "batch": BATCH,
-                                      "seq": SEQ, "widths": WIDTHS, "results": results,
-                                      "wall_s": time.perf_counter() - t0})
-    print("\n".join(lines))
-    if not args.no_readme:
-        write_readme_section("compile", lines)
+    data = {"env": environment(), "command": command, "mesh": MESH, "batch": BATCH, "seq": SEQ, "widths": WIDTHS,
+            "results": results, "wall_s": time.perf_counter() - t0}
+    path = publish("compile_time", "compile", lines, data, not args.no_readme)
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
 
 

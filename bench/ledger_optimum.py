@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from common import environment, markdown_table, ratio, save_json, write_readme_section
+from common import environment, markdown_table, publish, ratio
 from torch import nn
 
 import fxpar
@@ -227,11 +227,8 @@ def main() -> None:
     lines = [f"`{COMMAND}` (rank 0; every row also checked on the last rank: "
              f"{'identical' if all(r['same_on_ranks'] for r in results) else 'DIFFERENT, see JSON'})", "",
              *table(results)]
-    path = save_json("ledger_optimum", {"env": environment(), "command": COMMAND, "results": results,
-                                        "wall_s": time.perf_counter() - t0})
-    print("\n".join(lines))
-    if not args.no_readme:
-        write_readme_section("ledger", lines)
+    path = publish("ledger_optimum", "ledger", lines, {"env": environment(), "command": COMMAND, "results": results,
+                                                       "wall_s": time.perf_counter() - t0}, not args.no_readme)
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
 
 

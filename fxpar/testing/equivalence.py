@@ -179,7 +179,6 @@ def check_rank(case: Case) -> RankReport:
     rank = dist.get_rank()
     mesh = fxpar.Mesh(case.mesh_axes)
     reference, model = _build_twice(case)
-    mesh.device_mesh()  # validates the world size, as parallelize does
     pm = fxpar.ParallelModule(_compile_once(model, mesh, case), model, rank)
     if case.rank_hook is not None:
         case.rank_hook(pm, rank)

@@ -23,6 +23,7 @@ import ctypes
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import time
@@ -83,8 +84,6 @@ def _run_task(rank: int, fn: Callable[..., Any], args: tuple, world: int, port: 
 
 def _picklable(e: BaseException) -> BaseException | None:
     """``e`` if it survives a pickle round trip (so the parent can re-raise its type), else None."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e
