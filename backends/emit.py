@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from fxpar.printer import group_vars, print_rank_program
+from fxpar.printer import group_vars, print_rank_programs
 
 PRELUDE = '''import torch
 
@@ -30,15 +30,18 @@ def save_programs(pm: Any, folder: str, ranks: list[int] | None = None) -> list[
     paths, manifest = [], {"mesh": prog.mesh.axes, "passes": list(prog.passes), "ranks": {}}
     for r in ranks:
         rp = pm.rank_program(r)
-        groups = "\n".join(f"{v} = {s!r}" for s, v in sorted(group_vars(rp).items(), key=lambda kv: kv[1]))
-        text = PRELUDE.format(groups=groups) + "\n\n" + print_rank_program(prog, rp)
+        all_groups: dict[str, str] = {}
+        for stage in pm.stages_of(r):
+            all_groups.update(group_vars(pm.rank_program(r, stage)))
+        groups = "\n".join(f"{v} = {s!r}" for s, v in sorted(all_groups.items(), key=lambda kv: kv[1]))
+        text = PRELUDE.format(groups=groups) + "\n\n" + print_rank_programs(pm, r)
         path = os.path.join(folder, f"rank{r}.py")
         with open(path, "w") as f:
             f.write(text)
         paths.append(path)
         manifest["ranks"][str(r)] = {"file": os.path.basename(path), "coord": list(rp.coord),
                                      "groups": {s: list(g) for s, g in rp.groups.items()},
-                                     "collectives": len(rp.ledger)}
+                                     "stages": pm.stages_of(r), "collectives": len(pm.ledger(r))}
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
     return paths

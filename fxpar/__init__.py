@@ -4,6 +4,9 @@ from fxpar.api import parallelize
 from fxpar.errors import CaptureError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.passes.propagate import FxparWarning
+from fxpar.plan import Plan
 from fxpar.runtime import ParallelModule
+from fxpar.verify import VerifyError, verify
 
-__all__ = ["CaptureError", "FxparWarning", "Mesh", "ParallelModule", "PlanError", "parallelize"]
+__all__ = ["CaptureError", "FxparWarning", "Mesh", "ParallelModule", "Plan", "PlanError", "VerifyError", "parallelize",
+           "verify"]

@@ -11,6 +11,7 @@ import os
 import re
 import traceback
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,19 +40,46 @@ def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...])
     Ensures: every call_function/placeholder node has provenance (module, source, phase), and
     the signature maps placeholders to parameter names, inputs and tangents.
     """
+    exported = export_fake(model, mesh, example_inputs)
+    return capture_joint(exported.gm, exported, model, mesh, exported.fake_args)
+
+
+@dataclass
+class Exported:
+    """A non-strict ``torch.export`` of the model on fake tensors, ready to be split or captured."""
+
+    gm: fx.GraphModule  # ep.module(): parameters are attributes, user inputs are placeholders
+    fake_mode: FakeTensorMode
+    fake_args: tuple[Any, ...]  # flat fake user inputs, in placeholder order
+    out_spec: Any  # pytree spec of the model's outputs
+
+
+def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...]) -> Exported:
+    """Export ``model`` with fake parameters and inputs (the user's model is left as it was)."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_state = _fake_state(model, fake_mode, mesh.device)
     fake_args = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, mesh.device), example_inputs)
     with _reparametrize_module(model, fake_state, tie_weights=True), fake_mode:
         ep = _export(model, fake_args)
+    return Exported(ep.module(), fake_mode, fake_args, ep.call_spec.out_spec)
+
+
+def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.Module, mesh: Mesh,
+                  args: tuple[Any, ...]) -> Program:
+    """The joint forward+backward Program of ``module`` (the exported model or one pipeline stage of it).
+
+    Floating inputs that require grad (stage boundaries) get their gradients as extra outputs,
+    listed in ``signature.input_grads``. Parameter names are the user's model's canonical names.
+    """
+    with exported.fake_mode:
         try:
             with ExitStack() as stack:
-                joint = aot_export_joint_with_descriptors(stack, ep.module(), fake_args)
+                joint = aot_export_joint_with_descriptors(stack, module, args)
         except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
             raise CaptureError(_explain_trace_failure(model, e)) from e
         gm = joint.graph_module
         _split_addmm(gm)
-    signature = _signature(gm, joint, fake_args, _canonical_names(model))
+    signature = _signature(gm, joint, args, _canonical_names(model))
     provenance = {n.name: _provenance(n) for n in gm.graph.nodes if n.op != "output"}
     return Program(gm=gm, mesh=mesh, signature=signature, provenance=provenance)
 
@@ -161,10 +189,16 @@ def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...], canon
         if type(d).__name__ == "GradAOTOutput" and type(d.grad_of).__name__ == "ParamAOTInput"
         and out.args[0][i] is not None
     )
+    input_grads = tuple(
+        (inputs[d.grad_of.idx], i)
+        for i, d in enumerate(descs)
+        if type(d).__name__ == "GradAOTOutput" and type(d.grad_of).__name__ == "PlainAOTInput"
+        and out.args[0][i] is not None
+    )
     _, in_spec = pytree.tree_flatten(fake_args)
     return Signature(
         params=tuple(params), buffers=tuple(buffers), inputs=tuple(inputs), tangents=tuple(tangents),
-        num_outputs=num_outputs, grads=grads, out_spec=joint.out_spec, in_spec=in_spec,
+        num_outputs=num_outputs, grads=grads, input_grads=input_grads, out_spec=joint.out_spec, in_spec=in_spec,
     )
 
 

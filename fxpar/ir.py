@@ -42,6 +42,7 @@ class Signature:
     grads: tuple[tuple[str, int], ...]  # (param fqn, index in the output node)
     out_spec: Any  # pytree spec of the forward outputs
     in_spec: Any  # pytree spec of the user's inputs
+    input_grads: tuple[tuple[str, int], ...] = ()  # (input placeholder, index in the output node): stage boundaries
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,12 @@ def tensor_val(n: Any) -> torch.Tensor | None:
         v = n.meta.get("val")
         return v if isinstance(v, torch.Tensor) else None
     return None
+
+
+def batch_placements(val: torch.Tensor, mesh: Mesh) -> Placements:
+    """Placements of a model output or a stage boundary value: batch-sharded (dim 0) on ``dp`` where
+    dp divides it, replicated on every other axis."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return tuple(Shard(0) if (a == "dp" and n > 1 and val.ndim and val.shape[0] % n == 0) else Replicate()
+                 for a, n in mesh.axes.items())

@@ -36,7 +36,8 @@ VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 @dataclass(frozen=True)
 class LedgerRow:
-    """One collective a rank issues per step. ``bytes`` is the full tensor it reduces or produces."""
+    """One collective (or point-to-point transfer) a rank issues. ``bytes`` is the full tensor it
+    reduces or produces (for ``send``/``recv``: the tensor transferred)."""
 
     phase: str
     op: str
@@ -45,6 +46,9 @@ class LedgerRow:
     dtype: torch.dtype
     bytes: int
     group: tuple[int, ...]
+    stage: int = 0
+    mb: int | None = None  # microbatch, in a step ledger; None for once-per-step collectives
+    peer: int | None = None  # the other rank of a send/recv
 
 
 @dataclass
@@ -59,6 +63,11 @@ class RankProgram:
     saved: list[str]
     ledger: list[LedgerRow] = field(default_factory=list)
     groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # symbolic name -> ranks
+    # dp gradient reductions, deferred to once per step: backward output index -> parameter fqn, and the
+    # graph that reduces those accumulated gradients (``None`` when there are none)
+    deferred: list[tuple[int, str]] = field(default_factory=list)
+    reduce_grads: fx.GraphModule | None = None
+    stage: int = 0
 
 
 def group_name(axis: str, ranks: list[int] | tuple[int, ...]) -> str:
@@ -87,7 +96,12 @@ class _Lowerer:
         self.constants: dict[str, torch.Tensor] = {}
         self.phase = "fwd"
         self.source = ""
+        stage = prog.notes.get("stage")
+        # tangents of the model's own outputs (not of a stage boundary) are divided by dp: see placeholder()
+        self.loss_outputs = stage is None or stage.index == stage.n_stages - 1
         sig = prog.signature
+        self.grad_fqn = {idx: fqn for fqn, idx in sig.grads}
+        self.deferred: list[tuple[int, str, fx.Node]] = []
         # a tied weight can appear as two placeholders; the second keeps its graph name
         self.local_names: dict[str, str] = {}
         for fqn, name in (*sig.params, *sig.buffers):
@@ -218,7 +232,7 @@ class _Lowerer:
         new.meta.update(placements=p, module=self.prog.provenance[node.name].module, phase=self.phase)
         self.env[node.name] = new
         n_dp = self.mesh.axes.get("dp", 1)
-        if is_tangent and n_dp > 1 and isinstance(p[self.mesh.axis_index("dp")], Shard):
+        if is_tangent and n_dp > 1 and self.loss_outputs and isinstance(p[self.mesh.axis_index("dp")], Shard):
             # Each dp rank differentiates its own local loss; dividing the incoming gradient by
             # dp makes parameter gradients the mean over dp ranks, as DDP and FSDP do.
             self.env[node.name] = self.emit(aten.div.Tensor, (new, n_dp), placements=p, name=f"{node.name}_dp_mean")
@@ -286,10 +300,45 @@ class _Lowerer:
                 outs.append(None)
             elif planned is not None:
                 producer, dst, steps = planned
-                outs.append(self.redistribute(producer, dst, steps, ""))
+                if pos in self.grad_fqn:
+                    dst, steps = self.defer_dp_reduction(pos, producer, dst, steps)
+                outs.append(self.redistribute(producer, dst, steps, "") if steps else self.env[producer])
             else:
                 outs.append(self.env[arg.name])
         self.graph.output(tuple(outs))
+
+    def defer_dp_reduction(self, pos: int, producer: str, dst: Placements, steps: tuple[Step, ...]
+                           ) -> tuple[Placements, tuple[Step, ...]]:
+        """Keep a parameter gradient partial over dp: it is summed over microbatches, then reduced once per step.
+
+        Partial sums commute with the other axes' steps, so deferring the dp all-reduce is exact.
+        """
+        dp = [st for st in steps if st.axis == "dp" and st.op == "all_reduce"]
+        if not dp:
+            return dst, steps
+        ax = self.mesh.axis_index("dp")
+        dst = (*dst[:ax], dp[0].src, *dst[ax + 1:])
+        self.deferred.append((pos, self.grad_fqn[pos], self.prog.node(producer)))
+        return dst, tuple(st for st in steps if st not in dp)
+
+    def reduce_grads_graph(self, backward: fx.GraphModule) -> fx.Graph | None:
+        """``reduce_grads(g...)``: the deferred dp all-reduces of accumulated gradients, in backward output order."""
+        if not self.deferred:
+            return None
+        main, self.graph, self.phase = self.graph, fx.Graph(), "bwd"
+        outs = backward.graph.output_node().args[0]
+        num_outputs = self.prog.signature.num_outputs
+        results = []
+        for pos, fqn, _ in self.deferred:
+            ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
+            ph.meta.update(outs[pos - num_outputs].meta)
+            self.record("all_reduce", "dp", ph.meta["val"])
+            y = self.emit(c10d.all_reduce.default, (ph, "sum", self.group("dp")), module=fqn,
+                          name=f"{ph.name}_allreduce")
+            results.append(self.emit(c10d.wait_tensor.default, (y,), module=fqn, name=f"{ph.name}_reduced"))
+        self.graph.output(tuple(results))
+        graph, self.graph = self.graph, main
+        return graph
 
 
 def stride_order(t: torch.Tensor) -> list[int]:
@@ -316,7 +365,12 @@ def lower(prog: Program, rank: int) -> RankProgram:
         setattr(root, name, value)
     joint = fx.GraphModule(root, graph)
     fwd, bwd, saved = split_joint(joint, prog.signature.num_outputs, root)
-    return RankProgram(rank, lowerer.coord, joint, fwd, bwd, saved, lowerer.ledger, lowerer.groups)
+    reduce_graph = lowerer.reduce_grads_graph(bwd)
+    stage = prog.notes.get("stage")
+    return RankProgram(rank, lowerer.coord, joint, fwd, bwd, saved, lowerer.ledger, lowerer.groups,
+                       deferred=[(pos - prog.signature.num_outputs, fqn) for pos, fqn, _ in lowerer.deferred],
+                       reduce_grads=fx.GraphModule(root, reduce_graph) if reduce_graph is not None else None,
+                       stage=stage.index if stage is not None else 0)
 
 
 def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fxpar.ir import Program
+from fxpar.plan import Plan
 
 
 @dataclass
@@ -18,7 +19,7 @@ class Context:
     """What passes may read besides the Program: the user's model and plan, and timings."""
 
     model: torch.nn.Module
-    plan: dict[str, str] | None
+    plan: Plan
     timings: dict[str, float] = field(default_factory=dict)
     debug: int = int(os.environ.get("FXPAR_DEBUG", "0"))
 

@@ -6,7 +6,10 @@ features, whatever the weight layout (``nn.Linear`` is (out, in); HF ``Conv1D`` 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -15,7 +18,67 @@ from torch.distributed.tensor.placement_types import Placement
 from fxpar.errors import PlanError, close_matches
 
 STYLES = ("colwise", "rowwise", "replicate")
-SUPPORTED_AXES = ("dp", "tp")
+SUPPORTED_AXES = ("pp", "dp", "tp")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to parallelize a model; every field has a single-device default.
+
+    ``tp``: module-path globs -> ``"colwise" | "rowwise" | "replicate"`` on the ``tp`` axis.
+    ``stages``: pipeline stages over the ``pp`` axis: an int (cost-balanced split) or module paths
+    that each start a stage; ``None`` means one stage per pp rank. ``schedule``: one of
+    ``SCHEDULE_NAMES``. ``microbatches``: splits dim 0 of the dp-local batch in ``pm.step``.
+    The remaining fields are part of the API and refused with a clear error until implemented.
+    """
+
+    tp: dict[str, str] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    zero: int = 0
+    stages: int | list[str] | tuple[str, ...] | None = None
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    recompute: str | int | None = None
+    fp8: str | dict[str, str] | None = None
+    overlap: bool = False
+    bucket_mb: int = 25
+    notes: dict[str, Any] = field(default_factory=dict, compare=False)  # filled by the compiler (split, costs)
+
+    def resolved(self, **changes: Any) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                  if f.name != "notes" and getattr(self, f.name) != f.default
+                  and not (f.default_factory is not dataclasses.MISSING and not getattr(self, f.name))]
+        lines = [f"Plan({', '.join(fields)})"]
+        lines += [f"  {k}: {v}" for k, v in self.notes.items()]
+        return "\n".join(lines)
+
+
+def as_plan(plan: Plan | dict[str, str] | None) -> Plan:
+    """``None`` -> ``Plan()``; a plain dict is shorthand for ``Plan(tp=dict)``. Refuses what is not built yet."""
+    if plan is None:
+        return Plan()
+    if isinstance(plan, dict):
+        return Plan(tp=dict(plan))
+    if not isinstance(plan, Plan):
+        raise PlanError("plan must be a fxpar.Plan or a dict of module-path globs to styles, "
+                        f"got {type(plan).__name__}")
+    unbuilt = {"sequence_parallel": plan.sequence_parallel, "zero": plan.zero, "recompute": plan.recompute,
+               "fp8": plan.fp8, "overlap": plan.overlap}
+    for name, value in unbuilt.items():
+        if value:
+            raise PlanError(f"Plan({name}={value!r}) is not implemented in this version of fxpar; "
+                            "leave it at its default")
+    if plan.schedule not in SCHEDULE_NAMES:
+        hint = close_matches(plan.schedule, list(SCHEDULE_NAMES))
+        raise PlanError(f"unknown schedule {plan.schedule!r}; choose one of {SCHEDULE_NAMES}"
+                        + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    if plan.microbatches is not None and (not isinstance(plan.microbatches, int) or plan.microbatches < 1):
+        raise PlanError(f"microbatches must be a positive int, got {plan.microbatches!r}")
+    return plan
 
 
 def resolve_plan(model: torch.nn.Module, plan: dict[str, str] | None) -> dict[str, str]:
@@ -23,7 +86,7 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, str] | None) -> dict[st
     if plan is None:
         return {}
     if not isinstance(plan, dict):
-        raise PlanError(f"plan must be a dict of module-path globs to styles, got {type(plan).__name__}")
+        raise PlanError(f"Plan(tp=...) must be a dict of module-path globs to styles, got {type(plan).__name__}")
     paths = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():

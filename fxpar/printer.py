@@ -122,34 +122,72 @@ def group_vars(rp: RankProgram) -> dict[str, str]:
     return {sym: sym.split("[")[0].upper() for sym in rp.groups}
 
 
-def header(prog: Program, rp: RankProgram) -> str:
+def header(prog: Program, rp: RankProgram, extra: list[str] | None = None) -> str:
     mesh = prog.mesh
     coord = ", ".join(f"{a}={c}" for a, c in zip(mesh.names, rp.coord, strict=True))
     groups = "   ".join(f"{v} = {s}" for s, v in sorted(group_vars(rp).items(), key=lambda kv: kv[1]))
     return "\n".join([
         f"# fxpar program | rank {rp.rank} of {mesh.size} | mesh {mesh.describe()} | coord ({coord})",
         f"# groups  {groups or '(none)'}",
+        *(extra or []),
         f"# passes  {' > '.join((*prog.passes, 'lower'))}",
     ])
 
 
-def print_rank_program(prog: Program, rp: RankProgram, verbosity: int = 1) -> str:
-    """The rank's header, forward program and backward program."""
+def print_rank_program(prog: Program, rp: RankProgram, verbosity: int = 1, extra: list[str] | None = None,
+                       suffix: str = "") -> str:
+    """The rank's header, forward program, backward program and (if any) the once-per-step gradient reduction."""
     axes = prog.mesh.names
     groups = group_vars(rp)
-    parts = [header(prog, rp)]
+    parts = [header(prog, rp, extra)]
     if verbosity >= 2:
         plan = prog.notes.get("plan", {})
         parts.append("# plan    " + (", ".join(f"{k}: {v}" for k, v in sorted(plan.items())) or "(none)"))
-    parts += [graph_source("forward", rp.forward, axes, groups, verbosity),
-              graph_source("backward", rp.backward, axes, groups, verbosity)]
+    parts += [graph_source(f"forward{suffix}", rp.forward, axes, groups, verbosity),
+              graph_source(f"backward{suffix}", rp.backward, axes, groups, verbosity)]
+    if rp.reduce_grads is not None:
+        parts.append(graph_source(f"reduce_grads{suffix}", rp.reduce_grads, axes, groups, verbosity))
     return "\n\n".join(parts) + "\n"
 
 
+def print_rank_programs(pm: Any, rank: int, verbosity: int = 1) -> str:
+    """Every stage program ``rank`` holds (one without pipeline stages), each with its boundary transfers."""
+    c = pm._compiled
+    stages = pm.stages_of(rank)
+    if len(c.stages) == 1:
+        return print_rank_program(c.stages[0], pm.rank_program(rank, 0), verbosity)
+    texts = []
+    for s in stages:
+        prog = c.stages[s]
+        info = prog.notes["stage"]
+        peers = _stage_peers(pm, rank, s)
+        extra = [f"# stage   {s} of {len(c.stages)} (starts at {info.first_module}) | schedule {c.schedule.name}, "
+                 f"{c.microbatches} microbatches | {peers}",
+                 f"# recv    {', '.join(info.received) or '(user inputs only)'}",
+                 f"# send    {', '.join(info.sent) or '(outputs to loss_fn)'}"]
+        texts.append(print_rank_program(prog, pm.rank_program(rank, s), verbosity, extra, suffix=f"_stage{s}"))
+    return "\n".join(texts)
+
+
+def _stage_peers(pm: Any, rank: int, stage: int) -> str:
+    c, mesh = pm._compiled, pm.mesh
+    coord = list(mesh.coord(rank))
+    out = []
+    for label, other in (("prev stage", stage - 1), ("next stage", stage + 1)):
+        if 0 <= other < len(c.stages):
+            coord[mesh.axis_index("pp")] = c.schedule.stage_rank(other)
+            out.append(f"{label}: rank {mesh.rank_of(tuple(coord))}")
+    return "   ".join(out)
+
+
 def ledger_table(rows: list[LedgerRow]) -> str:
-    """The ledger as a table, with per-phase totals."""
-    body = [(r.phase, r.op, r.axis, "x".join(map(str, r.shape)), _DTYPES.get(r.dtype, str(r.dtype)), r.bytes)
-            for r in rows]
+    """The ledger as a table, with per-phase totals (stage, microbatch and peer columns when pipelined)."""
+    piped = any(r.peer is not None or r.stage or r.mb for r in rows)
+    body = []
+    for r in rows:
+        row = [r.phase, r.op, r.axis, "x".join(map(str, r.shape)), _DTYPES.get(r.dtype, str(r.dtype)), r.bytes]
+        body.append([*row, r.stage, "" if r.mb is None else r.mb, "" if r.peer is None else r.peer] if piped else row)
+    headers = ["phase", "op", "axis", "shape", "dtype", "bytes"] + (["stage", "mb", "peer"] if piped else [])
     total = {ph: sum(r.bytes for r in rows if r.phase == ph) for ph in ("fwd", "bwd")}
-    table = tabulate(body, headers=["phase", "op", "axis", "shape", "dtype", "bytes"], tablefmt="simple")
+    table = tabulate(body, headers=headers, tablefmt="simple")
     return f"{table}\n# {len(rows)} collectives; bytes fwd={total['fwd']} bwd={total['bwd']}"

@@ -7,90 +7,124 @@ No DTensor dispatch happens in the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from fxpar.backends.comm import bind_groups
+from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
+from fxpar.executor import StageRunner, StepExecutor
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow, RankProgram, lower
+from fxpar.mesh import Mesh
+from fxpar.plan import Plan
+from fxpar.schedules import Schedule
 
 
 class _RankStep(torch.autograd.Function):
     """Forward graph in ``forward``; backward graph, fed the saved values, in ``backward``."""
 
     @staticmethod
-    def forward(ctx: Any, runner: _Runner, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, runner: StageRunner, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         results = runner.forward(*flat)
         n = runner.num_outputs
         ctx.runner, ctx.saved = runner, results[n:]
         ctx.n_inputs = len(flat)
+        ctx.out_like = [o.detach() for o in results[:n]]
         return tuple(results[:n])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         runner = ctx.runner
-        tangents = [grads[idx] if grads[idx] is not None else torch.zeros_like(runner.out_like[idx])
+        tangents = [grads[idx] if grads[idx] is not None else torch.zeros_like(ctx.out_like[idx])
                     for idx in runner.tangent_outputs]
-        param_grads = runner.backward(*ctx.saved, *tangents)
+        param_grads = list(runner.backward(*ctx.saved, *tangents))
         ctx.saved = None
+        if runner.reduce is not None:  # the dp reduction, once per backward on this path
+            positions = [pos for pos, _ in runner.rp.deferred]
+            for pos, g in zip(positions, runner.reduce(*[param_grads[p] for p in positions]), strict=True):
+                param_grads[pos] = g
         out: list[torch.Tensor | None] = [None] * ctx.n_inputs
-        for pos, out_idx in runner.grad_positions:
-            out[pos] = param_grads[out_idx - runner.num_outputs]
+        order = {fqn: i for i, fqn in enumerate(runner.param_fqns)}
+        for pos, fqn in runner.grad_fqn.items():
+            out[order[fqn]] = param_grads[pos]
         return (None, *out)
 
 
-class _Runner:
-    """The bound graphs of one rank and how their inputs/outputs map to the module."""
-
-    def __init__(self, prog: Program, rp: RankProgram, names: dict[str, str]) -> None:
-        self.forward: fx.GraphModule = bind_groups(rp.forward, names)
-        self.backward: fx.GraphModule = bind_groups(rp.backward, names)
-        sig = prog.signature
-        self.num_outputs = sig.num_outputs
-        self.tangent_outputs = [idx for _, idx in sig.tangents]
-        order = [name for _, name in sig.params]
-        fqn_pos = {fqn: order.index(name) for fqn, name in sig.params}
-        self.grad_positions = [(fqn_pos[fqn], out_idx) for fqn, out_idx in sig.grads]
-        self.out_like: list[torch.Tensor] = []
-
-
 class ParallelModule(torch.nn.Module):
-    """The model compiled for one rank of a mesh. Call it with this rank's shard of the batch."""
+    """The model compiled for one rank of a mesh.
 
-    def __init__(self, prog: Program, model: torch.nn.Module | None, rank: int | None) -> None:
+    ``pm.step(inputs..., targets)`` runs forward and backward of every microbatch per the pipeline
+    schedule and leaves gradients in ``p.grad``; without pipeline stages (and with one microbatch)
+    ``pm(inputs...)`` plus ``loss.backward()`` works too. Call either with this rank's dp shard.
+    """
+
+    def __init__(self, compiled: Compiled, model: torch.nn.Module | None, rank: int | None,
+                 loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
         super().__init__()
-        self._prog = prog
-        self._programs: dict[int, RankProgram] = {}
-        self._runner: _Runner | None = None
+        self._compiled = compiled
+        self._loss_fn = loss_fn
+        self._programs: dict[tuple[int, int], RankProgram] = {}
+        self._runners: dict[int, StageRunner] = {}
+        self._executor: StepExecutor | None = None
         self._rank = rank
-        self.timings: dict[str, float] = dict(prog.notes.get("timings", {}))
+        self._tie_groups: list[tuple[str, Any]] = []
+        self._stage_buffers: dict[int, list[torch.Tensor]] = {}
+        self.timings: dict[str, float] = dict(compiled.timings)
         if rank is not None and model is not None:
             self._materialize(model)
 
     # -- inspection --------------------------------------------------------------------------
     @property
-    def mesh(self):  # noqa: ANN201 - fxpar.Mesh
-        return self._prog.mesh
+    def mesh(self) -> Mesh:
+        return self._compiled.mesh
 
-    def rank_program(self, rank: int) -> RankProgram:
-        """The lowered program of ``rank`` (built on first use and cached)."""
-        if rank not in self._programs:
-            self._programs[rank] = lower(self._prog, rank)
-        return self._programs[rank]
+    @property
+    def plan(self) -> Plan:
+        """The resolved plan: stage split points and costs, microbatches, schedule."""
+        return self._compiled.plan
+
+    @property
+    def schedule(self) -> Schedule:
+        """The pipeline schedule: ``print(pm.schedule)`` draws steps x pipeline ranks."""
+        return self._compiled.schedule
+
+    @property
+    def _prog(self) -> Program:  # the single stage's program (tools written before pipelines use it)
+        return self._compiled.stages[0]
+
+    def stages_of(self, rank: int) -> list[int]:
+        return self._compiled.stage_of_rank(rank)
+
+    def rank_program(self, rank: int, stage: int | None = None) -> RankProgram:
+        """The lowered program of ``rank`` for ``stage`` (default: its first stage), built once and cached."""
+        stage = self.stages_of(rank)[0] if stage is None else stage
+        if stage not in self.stages_of(rank):
+            raise ValueError(f"rank {rank} holds stages {self.stages_of(rank)}, not stage {stage}")
+        key = (rank, stage)
+        if key not in self._programs:
+            self._programs[key] = lower(self._compiled.stages[stage], rank)
+        return self._programs[key]
 
     def program(self, rank: int = 0, verbosity: int = 1) -> str:
-        """The rank's forward and backward programs as readable, runnable Python."""
-        from fxpar.printer import print_rank_program
+        """The rank's programs as readable, runnable Python: per stage it holds, forward, backward and reduce_grads."""
+        from fxpar.printer import print_rank_programs
 
-        return print_rank_program(self._prog, self.rank_program(rank), verbosity)
+        return print_rank_programs(self, rank, verbosity)
 
     def ledger(self, rank: int = 0) -> list[LedgerRow]:
-        """Every collective the rank issues in one step, with its bytes (see ``ledger_table``)."""
-        return list(self.rank_program(rank).ledger)
+        """Every collective and point-to-point transfer the rank issues in one ``pm.step`` (see ``ledger_table``).
+
+        With one stage and one microbatch this is exactly the program's collectives (``pm(x)`` then backward).
+        """
+        from fxpar.verify import step_ledger
+
+        return step_ledger(self, rank)
 
     def ledger_table(self, rank: int = 0) -> str:
         from fxpar.printer import ledger_table
@@ -99,17 +133,24 @@ class ParallelModule(torch.nn.Module):
 
     def output_placements(self) -> list[Any]:
         """Placements (one per mesh axis) of each forward output, as this rank returns them."""
-        out = self._prog.graph.output_node()
-        return list(self._prog.arg_placements[out.name][: self._prog.signature.num_outputs])
+        prog = self._compiled.stages[-1]
+        out = prog.graph.output_node()
+        return list(prog.arg_placements[out.name][: prog.signature.num_outputs])
 
-    def executed_graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """The forward and backward graphs this rank runs, with process groups bound.
+    def executed_graphs(self) -> dict[str, fx.GraphModule]:
+        """The graphs this rank runs for its first stage, with process groups bound.
 
-        Editing them (then ``recompile()``) changes what runs: fault-injection tests use this.
+        Keys: ``forward``, ``backward`` and, where gradients are dp-reduced once per step,
+        ``reduce_grads``. Editing them (then ``recompile()``) changes what runs: fault-injection
+        tests use this.
         """
-        if self._runner is None:
+        if not self._runners:
             raise RuntimeError("this ParallelModule was compiled for a fake mesh (or no rank): it has no bound graphs")
-        return self._runner.forward, self._runner.backward
+        runner = self._runners[min(self._runners)]
+        graphs = {"forward": runner.forward, "backward": runner.backward}
+        if runner.reduce is not None:
+            graphs["reduce_grads"] = runner.reduce
+        return graphs
 
     def save(self, folder: str) -> list[str]:
         """Write each rank's program as a standalone Python file plus ``manifest.json``."""
@@ -119,33 +160,159 @@ class ParallelModule(torch.nn.Module):
 
     # -- execution ----------------------------------------------------------------------------
     def _materialize(self, model: torch.nn.Module) -> None:
-        mesh = self._prog.mesh
+        mesh = self._compiled.mesh
         dm = mesh.device_mesh()
+        param_mesh, keep = _param_mesh(mesh, dm)
         on_cuda = mesh.device == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         state = dict(model.named_parameters())
-        for fqn, name in self._prog.signature.params:
-            p = state[fqn]
-            if p.is_meta:
-                raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
-            placements = self._prog.placements[name]
-            dt = distribute_tensor(p.detach().to(device), dm, list(placements))
-            _register_path(self, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
         buffers = dict(model.named_buffers())
-        self._buffers_local = [buffers[fqn].detach().to(device) for fqn, _ in self._prog.signature.buffers]
-        rp = self.rank_program(self._rank)
-        names = {sym: dm.get_group(sym.split("[")[0]).group_name for sym in rp.groups}
-        self._runner = _Runner(self._prog, rp, names)
+        for s in self.stages_of(self._rank):
+            prog = self._compiled.stages[s]
+            for fqn, name in prog.signature.params:
+                if _has_path(self, fqn):
+                    continue
+                p = state[fqn]
+                if p.is_meta:
+                    raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
+                placements = [pl for pl, k in zip(prog.placements[name], keep, strict=True) if k] or [Replicate()]
+                dt = distribute_tensor(p.detach().to(device), param_mesh, placements)
+                _register_path(self, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
+            self._stage_buffers[s] = [buffers[fqn].detach().to(device) for fqn, _ in prog.signature.buffers]
+            rp = self.rank_program(self._rank, s)
+            names = {sym: _group_name(dm, sym) for sym in rp.groups}
+            self._runners[s] = StageRunner(prog, rp, names, self._compiled.schedule.has_w)
+        self._tie_groups = _tie_groups(self._compiled, self._rank)
+
+    def local_param(self, fqn: str) -> torch.Tensor:
+        p = self.get_parameter(fqn)
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    def _buffers_of(self, stage: int) -> list[torch.Tensor]:
+        return self._stage_buffers[stage]
+
+    def add_local_grad(self, fqn: str, g: torch.Tensor) -> None:
+        """Accumulate a local gradient shard into the parameter's ``.grad`` (a DTensor like the parameter)."""
+        p = self.get_parameter(fqn)
+        grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else g
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad = p.grad + grad
+
+    def _check_runnable(self) -> None:
+        if not self._runners:
+            raise RuntimeError("this ParallelModule was compiled for a fake mesh (or no rank): it cannot run")
 
     def forward(self, *inputs: Any) -> Any:
-        if self._runner is None:
-            raise RuntimeError("this ParallelModule was compiled for a fake mesh (or no rank): it cannot run")
-        params = [self.get_parameter(fqn) for fqn, _ in self._prog.signature.params]
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        flat_inputs = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
-        outs = _RankStep.apply(self._runner, *local, *self._buffers_local, *flat_inputs)
-        self._runner.out_like = [o.detach() for o in outs]
-        return pytree.tree_unflatten(list(outs), self._prog.signature.out_spec)
+        self._check_runnable()
+        c = self._compiled
+        if len(c.stages) > 1 or c.microbatches > 1:
+            raise RuntimeError(f"this program has {len(c.stages)} pipeline stages and {c.microbatches} microbatches: "
+                               "run a training step with pm.step(inputs..., targets) instead of pm(inputs)")
+        runner = self._runners[0]
+        flat, _ = flat_user_inputs(c, inputs)
+        local = [self.local_param(fqn) for fqn in runner.param_fqns]
+        tensors = [x for x in pytree.tree_leaves(flat) if isinstance(x, torch.Tensor)]
+        outs = _RankStep.apply(runner, *local, *self._buffers_of(0), *tensors)
+        return pytree.tree_unflatten(list(outs), c.out_spec)
+
+    def step(self, *args: Any, trace: str | None = None) -> torch.Tensor:
+        """One training step: forward and backward of every microbatch per the schedule; grads in ``p.grad``.
+
+        Takes this rank's dp shard of the inputs (as in ``example_inputs``) then the targets, if any.
+        Returns the mean loss over microbatches and dp ranks (the single-device loss), on every rank.
+        ``trace="step.json"`` writes a Chrome trace (Perfetto) of every rank's actions (from rank 0).
+        """
+        c = self._compiled
+        flat, targets = flat_user_inputs(c, args)
+        executor = self._executor_for_tests()
+        mb_inputs = split_microbatches(flat, c.microbatches)
+        mb_targets = split_microbatches(targets, c.microbatches) if targets is not None else [None] * c.microbatches
+        return executor.run(mb_inputs, mb_targets, trace)
+
+    def _executor_for_tests(self) -> StepExecutor:
+        """The rank's step executor (built on first use; fault-injection tests wrap its ``dispatch``)."""
+        self._check_runnable()
+        if self._loss_fn is None:
+            raise ValueError("pm.step needs a loss: pass loss_fn=... to fxpar.parallelize")
+        if self._executor is None:
+            c = self._compiled
+            self._executor = StepExecutor(self, self._runners, c.schedule.actions[c.pp_coord(self._rank)],
+                                          self._loss_fn)
+        return self._executor
+
+
+def _param_mesh(mesh: Mesh, dm: DeviceMesh) -> tuple[DeviceMesh, list[bool]]:
+    """The mesh parameters live on (every axis but ``pp``: a stage's ranks) and which axes it keeps."""
+    keep = [name != "pp" for name in mesh.names]
+    names = tuple(n for n in mesh.names if n != "pp")
+    if len(names) == len(mesh.names):
+        return dm, keep
+    if names:
+        return dm[names], keep
+    pp = mesh.axes["pp"]
+    solo = DeviceMesh(mesh.device, torch.arange(mesh.size).reshape(pp, 1), mesh_dim_names=("pp", "stage"))
+    return solo["stage"], keep  # a mesh of this rank alone: parameters replicated on it
+
+
+def _group_name(dm: DeviceMesh, symbolic: str) -> str:
+    return dm.get_group(symbolic.split("[")[0]).group_name
+
+
+def tie_ranks(compiled: Compiled, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(fqn, ranks) for each weight ``rank`` holds that stages on other pipeline ranks hold too (tied embeddings).
+
+    The gradient of such a weight is summed over those ranks (same coordinates on every other axis).
+    """
+    mesh = compiled.mesh
+    out = []
+    for fqn, pps in _tie_holders(compiled).items():
+        if compiled.pp_coord(rank) not in pps:
+            continue
+        coord = list(mesh.coord(rank))
+        ranks = []
+        for p in pps:
+            coord[mesh.axis_index("pp")] = p
+            ranks.append(mesh.rank_of(tuple(coord)))
+        out.append((fqn, tuple(ranks)))
+    return out
+
+
+def _tie_holders(compiled: Compiled) -> dict[str, list[int]]:
+    holders: dict[str, set[int]] = {}
+    for s, prog in enumerate(compiled.stages):
+        for fqn, _ in prog.signature.params:
+            holders.setdefault(fqn, set()).add(compiled.schedule.stage_rank(s))
+    return {fqn: sorted(pps) for fqn, pps in sorted(holders.items()) if len(pps) > 1}
+
+
+def _tie_groups(compiled: Compiled, rank: int) -> list[tuple[str, Any]]:
+    """The process groups of ``tie_ranks``. Every rank creates every group (``new_group`` is collective),
+    in one deterministic order."""
+    mesh = compiled.mesh
+    mine = dict(tie_ranks(compiled, rank))
+    out = []
+    for fqn, pps in _tie_holders(compiled).items():
+        group_of_rank = None
+        for r in range(mesh.size):
+            if compiled.pp_coord(r) != pps[0]:
+                continue
+            ranks = dict(tie_ranks(compiled, r))[fqn]
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                group_of_rank = group
+        if fqn in mine:
+            out.append((fqn, group_of_rank))
+    return out
+
+
+def _has_path(root: torch.nn.Module, fqn: str) -> bool:
+    try:
+        root.get_parameter(fqn)
+        return True
+    except AttributeError:
+        return False
 
 
 def _register_path(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
@@ -156,4 +323,3 @@ def _register_path(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -
             mod.add_module(part, torch.nn.Module())
         mod = getattr(mod, part)
     mod.register_parameter(leaf, param)
-

@@ -1,4 +1,4 @@
-"""Serialize a compiled global ``Program`` to bytes and back, exactly.
+"""Serialize a compiled model (its global stage ``Program``s, schedule and plan) to bytes and back, exactly.
 
 Compiling (capture + passes) gives every rank the same global program, so one rank can compile
 and send it to the others, which then only lower their own rank program. ``torch.fx``'s own
@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxpar.compiled import Compiled
 from fxpar.ir import Program
 from fxpar.mesh import Mesh
 
@@ -43,8 +44,25 @@ class _TensorSpec:
     device: str
 
 
-def dumps(prog: Program) -> bytes:
-    """``prog`` as bytes; ``loads`` gives back an equal program (same node names, values, tables)."""
+def dumps(compiled: Compiled) -> bytes:
+    """``compiled`` as bytes; ``loads`` gives back equal stage programs, schedule and plan."""
+    fields = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)
+              if f.name not in ("mesh", "stages")}
+    mesh = (compiled.mesh.axes, compiled.mesh.device, compiled.mesh.fake)
+    return pickle.dumps((fields, [dump_program(p) for p in compiled.stages], mesh))
+
+
+def loads(data: bytes, mesh: Mesh | None = None) -> Compiled:
+    """The compiled model ``dumps`` wrote; ``mesh`` (same axes) replaces the saved one (a real mesh for a fake one)."""
+    with warnings.catch_warnings():  # torch's own TreeSpec unpickling warns about its LeafSpec internals
+        warnings.simplefilter("ignore", FutureWarning)
+        fields, stages, (axes, device, fake) = pickle.loads(data)
+    mesh = mesh or Mesh(axes, device=device, fake=fake)
+    return Compiled(mesh=mesh, stages=[load_program(p, mesh) for p in stages], **fields)
+
+
+def dump_program(prog: Program) -> bytes:
+    """``prog`` as bytes; ``load_program`` gives back an equal program (same node names, values, tables)."""
     nodes = []
     for n in prog.graph.nodes:
         args, kwargs = pytree.tree_map_only(fx.Node, lambda a: _Ref(a.name), (n.args, n.kwargs))
@@ -56,8 +74,8 @@ def dumps(prog: Program) -> bytes:
     return pickle.dumps((nodes, constants, notes, state, mesh))
 
 
-def loads(data: bytes, mesh: Mesh | None = None) -> Program:
-    """The program ``dumps`` wrote; ``mesh`` (same axes) replaces the saved one, e.g. a real mesh for a fake one."""
+def load_program(data: bytes, mesh: Mesh | None = None) -> Program:
+    """The program ``dump_program`` wrote; ``mesh`` (same axes) replaces the saved one."""
     with warnings.catch_warnings():  # torch's own TreeSpec unpickling warns about its LeafSpec internals
         warnings.simplefilter("ignore", FutureWarning)
         nodes, constants, notes, state, (axes, device, fake) = pickle.loads(data)

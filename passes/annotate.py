@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from fxpar.errors import PlanError
-from fxpar.ir import Program
+from fxpar.ir import Program, batch_placements
 from fxpar.pipeline import Context
 from fxpar.plan import SUPPORTED_AXES, check_divisible, param_tp_placement, resolve_plan
 
@@ -16,7 +16,9 @@ def annotate(prog: Program, ctx: Context) -> Program:
 
     Requires: a captured Program; ``ctx.plan`` globs over ``ctx.model.named_modules()``.
     Ensures: every param/buffer/input placeholder has a placement per mesh axis: ``dp``
-    shards inputs on dim 0 and replicates state; ``tp`` applies the plan (replicate otherwise).
+    shards inputs on dim 0 and replicates state; ``tp`` applies the plan (replicate otherwise);
+    ``pp`` replicates everything (each stage is its own program). A pipeline stage's received
+    values are placed as the previous stage's outputs are (``batch_placements``).
     Raises PlanError for unknown axes, globs that match nothing and unsupported modules,
     ValueError for shards that do not divide.
     """
@@ -24,7 +26,7 @@ def annotate(prog: Program, ctx: Context) -> Program:
     for axis in mesh.names:
         if axis not in SUPPORTED_AXES:
             raise PlanError(f"mesh axis {axis!r} is not supported yet; use {SUPPORTED_AXES}")
-    styles = resolve_plan(ctx.model, ctx.plan)
+    styles = resolve_plan(ctx.model, ctx.plan.tp)
     if styles and "tp" not in mesh.axes:
         raise PlanError("the plan shards modules over 'tp', but the mesh has no 'tp' axis")
     modules = dict(ctx.model.named_modules())
@@ -40,9 +42,14 @@ def annotate(prog: Program, ctx: Context) -> Program:
                         f"parameter {fqn!r} (module {path!r})")
     for _, name in prog.signature.buffers:
         placements[name] = tuple(Replicate() for _ in mesh.names)
+    stage = prog.notes.get("stage")
+    received = len(stage.received) if stage is not None else 0
     for i, name in enumerate(prog.signature.inputs):
         val: torch.Tensor = prog.node(name).meta["val"]
+        if i < received:  # a stage boundary: placed as the previous stage's output was (batch_placements)
+            placements[name] = batch_placements(val, mesh)
+            continue
         batch = Shard(0) if val.ndim >= 1 else Replicate()
         placements[name] = tuple(batch if (a == "dp" and n > 1) else Replicate() for a, n in mesh.axes.items())
-        check_divisible(val.shape, placements[name], mesh.shape, f"input {i} (the batch is sharded over dp)")
+        check_divisible(val.shape, placements[name], mesh.shape, f"input {i - received} (the batch is sharded over dp)")
     return prog.replace("annotate", placements=placements, notes={**prog.notes, "plan": styles})

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fxpar.ir import Program, tensor_val
+from fxpar.ir import Program, batch_placements, tensor_val
 from fxpar.pipeline import Context
 from fxpar.rules import Candidate, candidates
 
@@ -83,15 +83,14 @@ def _output_targets(prog: Program, placements: dict[str, Any]) -> list[Any]:
     out = prog.graph.output_node().args[0]
     sig = prog.signature
     grad_of = {i: name for (fqn, i) in sig.grads for (f, name) in sig.params if f == fqn}
+    grad_of.update({i: name for name, i in sig.input_grads})  # a stage boundary's gradient: like its input
     targets = []
     for i, arg in enumerate(out):
         val = tensor_val(arg)
         if val is None:
             targets.append(None)
         elif i < sig.num_outputs:
-            targets.append(tuple(
-                Shard(0) if (a == "dp" and n > 1 and val.ndim and val.shape[0] % n == 0) else Replicate()
-                for a, n in prog.mesh.axes.items()))
+            targets.append(batch_placements(val, prog.mesh))
         else:
             targets.append(placements[grad_of[i]])
     return targets

@@ -1,0 +1,201 @@
+"""Compile a model for a mesh: one global Program per pipeline stage, plus the pipeline schedule.
+
+Without a ``pp`` axis (and with ``stages`` unset) there is one stage: the whole model, captured
+as one joint graph. With stages, the exported forward graph is split first (``fxpar.stages``)
+and each stage is captured and run through the pass pipeline on its own. Every program is
+compiled for one microbatch: dim 0 of the example inputs divided by ``microbatches``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxpar.capture import capture, capture_joint, export_fake
+from fxpar.errors import PlanError
+from fxpar.ir import Program
+from fxpar.mesh import Mesh
+from fxpar.pipeline import Context, run_pipeline
+from fxpar.plan import Plan, as_plan
+from fxpar.schedules import Schedule, make_schedule
+from fxpar.stages import split_stages
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Where a stage program sits in the pipeline (``Program.notes["stage"]``)."""
+
+    index: int
+    n_stages: int
+    received: tuple[str, ...]  # boundary values from the previous stage (the first program inputs)
+    user_inputs: tuple[int, ...]  # flat user inputs this stage reads (the program inputs after those)
+    sent: tuple[str, ...]  # boundary values for the next stage (the forward outputs of a non-last stage)
+    first_module: str
+    cost: float
+
+
+@dataclass
+class Compiled:
+    """Everything every rank lowers: the stage programs, the schedule and the resolved plan."""
+
+    mesh: Mesh
+    plan: Plan
+    stages: list[Program]
+    schedule: Schedule
+    microbatches: int
+    num_user_inputs: int
+    input_kind: str  # "tuple" | "dict" (HF style ``model(**batch)``)
+    out_spec: Any  # pytree spec of the model's outputs (the last stage's flat outputs rebuild it)
+    input_keys: tuple[str, ...] = ()
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.axes.get("pp", 1)
+
+    def stage_of_rank(self, rank: int) -> list[int]:
+        """The stages ``rank`` holds (its pp coordinate's stages in the schedule)."""
+        return self.schedule.stages_of(self.pp_coord(rank))
+
+    def pp_coord(self, rank: int) -> int:
+        return self.mesh.coord(rank)[self.mesh.axis_index("pp")] if "pp" in self.mesh.axes else 0
+
+
+def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan: Any = None,
+                  loss_fn: Any = None) -> Compiled:
+    """Capture and compile ``model`` for ``mesh`` (no process group needed).
+
+    Requires: ``example_inputs`` with global shapes (a tuple of positional inputs, or a dict of
+    keyword inputs); with a ``pp`` axis, a ``loss_fn``. Ensures: one Program per stage, each with
+    ``notes["stage"]`` set when there are several; timings of capture and each pass.
+    """
+    plan = as_plan(plan)
+    kind, keys, flat = _flatten_inputs(example_inputs)
+    if kind == "dict":
+        raise NotImplementedError("keyword (dict) example_inputs are not supported yet: pass a tuple of positional "
+                                  "inputs in the order model.forward takes them")
+    pp = mesh.axes.get("pp", 1)
+    if pp > 1 and loss_fn is None:
+        raise PlanError("a mesh with a 'pp' axis needs loss_fn=...: the last pipeline stage computes the loss "
+                        "(loss_fn(outputs, targets) -> a batch-mean scalar)")
+    n_stages = _n_stages(plan, pp)
+    m = plan.microbatches or (pp if pp > 1 else 1)
+    mb_inputs = _microbatch_inputs(flat, mesh, m)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    ctx = Context(model=model, plan=plan, timings=timings)
+    if n_stages == 1:
+        programs = [capture(model, mesh, tuple(mb_inputs))]
+        timings["capture"] = time.perf_counter() - start
+        programs = [run_pipeline(programs[0], ctx)]
+        notes: dict[str, Any] = {}
+        out_spec = programs[0].signature.out_spec
+    else:
+        programs, notes, out_spec = _compile_stages(model, mesh, mb_inputs, plan.stages or n_stages, ctx)
+        if len(programs) % pp:
+            raise PlanError(f"{len(programs)} stages is not a multiple of pp={pp}: each pp rank holds the same number "
+                            "of stages (stages = v * pp)")
+    schedule = make_schedule(plan.schedule, pp, len(programs), m)
+    resolved = plan.resolved(stages=len(programs) if isinstance(plan.stages, int) or plan.stages is None
+                             else plan.stages, microbatches=m, notes=notes)
+    return Compiled(mesh, resolved, programs, schedule, m, len(flat), kind, out_spec, keys, timings)
+
+
+def _n_stages(plan: Plan, pp: int) -> int:
+    if plan.stages is None:
+        return pp
+    n = plan.stages if isinstance(plan.stages, int) else len(plan.stages) + 1
+    if isinstance(plan.stages, int) and plan.stages < 1:
+        raise PlanError(f"stages must be a positive int or a list of module paths, got {plan.stages!r}")
+    if n % pp:
+        raise PlanError(f"stages={plan.stages!r} gives {n} stages, not a multiple of pp={pp}: each pp rank must hold "
+                        f"the same number of stages (stages = v * pp, e.g. {pp} or {2 * pp})")
+    if n > 1 and pp == 1 and plan.stages is not None:
+        raise PlanError(f"stages={plan.stages!r} needs a 'pp' mesh axis to place the stages on")
+    return n
+
+
+def _flatten_inputs(example_inputs: Any) -> tuple[str, tuple[str, ...], list[Any]]:
+    if isinstance(example_inputs, dict):
+        return "dict", tuple(example_inputs), list(example_inputs.values())
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    return "tuple", (), list(example_inputs)
+
+
+def _microbatch_inputs(flat: list[Any], mesh: Mesh, m: int) -> list[Any]:
+    """The example inputs of one microbatch: dim 0 of every batched tensor divided by ``m``."""
+    dp = mesh.axes.get("dp", 1)
+    batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.ndim), None)
+    if m == 1 or batch is None:
+        return flat
+    if batch % dp or (batch // dp) % m:
+        raise PlanError(f"microbatches={m} does not divide the local batch: the global batch {batch} over dp={dp} "
+                        f"is {batch / dp:g} per rank; choose microbatches that divide it")
+    return [x[: batch // m] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch else x for x in flat]
+
+
+def _compile_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages: Any, ctx: Context
+                    ) -> tuple[list[Program], dict[str, Any], Any]:
+    start = time.perf_counter()
+    exported = export_fake(model, mesh, tuple(flat))
+    split = split_stages(exported.gm, model, stages)
+    ctx.timings["split_stages"] = time.perf_counter() - start
+    programs = []
+    for sg in split.stages:
+        args = [_boundary_arg(sg.gm, name, exported) for name in sg.received]
+        args += [exported.fake_args[i] for i in sg.user_inputs]
+        t0 = time.perf_counter()
+        prog = capture_joint(sg.gm, exported, model, mesh, tuple(args))
+        ctx.timings["capture"] = ctx.timings.get("capture", 0.0) + time.perf_counter() - t0
+        info = StageInfo(sg.index, len(split.stages), tuple(sg.received), tuple(sg.user_inputs), tuple(sg.sent),
+                         sg.first_module, sg.cost)
+        prog = prog.replace(notes={**prog.notes, "stage": info})
+        programs.append(run_pipeline(prog, ctx))
+    total = sum(split.costs) or 1.0
+    notes = {"stage starts": ", ".join(split.starts),
+             "stage costs": ", ".join(f"{c / total:.0%}" for c in split.costs)}
+    return programs, notes, exported.out_spec
+
+
+def _boundary_arg(gm: torch.fx.GraphModule, name: str, exported: Any) -> torch.Tensor:
+    """A fake tensor for a received boundary value; floating values require grad (their gradient is sent back)."""
+    import re
+
+    ph = next(p for p in gm.graph.nodes if p.op == "placeholder" and p.name == re.sub(r"\W", "_", name))
+    val = ph.meta["val"]
+    with exported.fake_mode:
+        t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+    return t.requires_grad_(val.is_floating_point())
+
+
+def flat_user_inputs(compiled: Compiled, args: tuple[Any, ...]) -> tuple[list[Any], Any]:
+    """Split ``pm.step``/``pm(...)`` arguments into (flat inputs, targets) per ``compiled.input_kind``."""
+    if compiled.input_kind == "dict":
+        if not args or not isinstance(args[0], dict):
+            raise TypeError("this model was compiled with keyword inputs: call pm.step(batch_dict, targets)")
+        batch = args[0]
+        if set(batch) != set(compiled.input_keys):
+            raise TypeError(f"inputs {sorted(batch)} differ from the compiled ones {sorted(compiled.input_keys)}")
+        return [batch[k] for k in compiled.input_keys], (args[1] if len(args) > 1 else None)
+    n = compiled.num_user_inputs
+    if len(args) < n:
+        raise TypeError(f"expected {n} model inputs (as in example_inputs), got {len(args)}")
+    return list(args[:n]), (args[n] if len(args) > n else None)
+
+
+def split_microbatches(values: Any, m: int) -> list[Any]:
+    """``values`` (a pytree) cut into ``m`` pieces along dim 0 of every batched tensor."""
+    if m == 1:
+        return [values]
+    leaves, spec = pytree.tree_flatten(values)
+    pieces = [x.chunk(m) if isinstance(x, torch.Tensor) and x.ndim else [x] * m for x in leaves]
+    for x, p in zip(leaves, pieces, strict=True):
+        if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] % m:
+            raise ValueError(f"microbatches={m} does not divide the local batch dim {x.shape[0]}")
+        assert len(p) == m
+    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(m)]

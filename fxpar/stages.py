@@ -1,0 +1,270 @@
+"""Pipeline stages: split the exported forward graph into one module per stage.
+
+The split happens on the forward graph of ``torch.export``, before the joint is captured: each
+stage then gets its own joint forward+backward graph from AOTAutograd, so every backward node
+belongs to the stage of its forward node by construction, and the gradient of each value that
+crosses a stage boundary is an output of the stage that consumes it (``signature.input_grads``).
+
+What crosses a boundary is only what must: values computed from the user's inputs. Values
+that depend only on shapes, constants, parameters or buffers (rotary tables, position ids,
+causal masks, a tied weight) are recomputed (or held) by every stage that uses them. A value
+needed two or more stages later is passed through the stages in between, so all traffic is
+between neighbouring stages. User inputs are available on every rank (``pm.step`` gets the
+batch everywhere) and are never sent.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fxpar.capture import _clean_module_path
+from fxpar.errors import PlanError, close_matches
+
+aten = torch.ops.aten
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int, aten.t.default,
+            aten.permute.default, aten.slice.Tensor, aten.select.int, aten.expand.default, aten.unsqueeze.default,
+            aten.squeeze.dim, aten.squeeze.dims, aten.alias.default, aten.detach.default}
+
+
+@dataclass
+class StageGraph:
+    """One stage's forward module and how its inputs and outputs connect to its neighbours."""
+
+    index: int
+    gm: fx.GraphModule
+    received: list[str]  # boundary values from the previous stage, in placeholder order (first)
+    user_inputs: list[int]  # indices of flat user inputs this stage reads (placeholders after ``received``)
+    sent: list[str]  # boundary values for the next stage (outputs of a non-last stage)
+    first_module: str = ""  # module path where the stage starts (for the plan)
+    cost: float = 0.0  # estimated forward cost (see ``node_cost``)
+
+
+@dataclass
+class Split:
+    """Every stage of the model, plus the cost table that chose the split points."""
+
+    stages: list[StageGraph]
+    starts: list[str]  # module paths that start stages 1..n-1
+    costs: list[float] = field(default_factory=list)
+
+
+def module_path(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or {}
+    return _clean_module_path(list(stack.values())[-1][0]) if stack else ""
+
+
+def data_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose value depends on a user input: the only values that may cross a stage boundary."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder" or (n.op == "call_function" and any(a in out for a in n.all_input_nodes)):
+            out.add(n)
+    return out
+
+
+def assign_stages(graph: fx.Graph, starts: list[str]) -> dict[fx.Node, int]:
+    """Stage of every data node: the latest start module seen so far, never before its inputs' stages."""
+    data = data_nodes(graph)
+    stage: dict[fx.Node, int] = {}
+    current = 0
+    for n in graph.nodes:
+        if n not in data or n.op != "call_function":
+            continue
+        path = module_path(n)
+        for k, start in enumerate(starts, start=1):
+            if path == start or path.startswith(start + "."):
+                current = max(current, k)
+        stage[n] = max([current, *(stage.get(a, 0) for a in n.all_input_nodes)])
+    return stage
+
+
+def node_cost(n: fx.Node) -> float:
+    """Forward cost of a node in seconds on a nominal accelerator: max(FLOPs / peak, bytes / bandwidth).
+
+    Matmul-like ops count 2*M*N*K FLOPs; everything else counts the bytes it writes. The constants
+    (50 TFLOP/s, 2 TB/s) only set the ratio between the two terms.
+    """
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    nbytes = val.numel() * val.element_size()
+    flops = 0.0
+    if n.target in (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default):
+        a = n.args[1] if n.target is aten.addmm.default else n.args[0]
+        k = a.meta["val"].shape[-1]
+        flops = 2.0 * val.numel() * k
+    elif "scaled_dot_product" in str(n.target):
+        q = n.args[0].meta["val"]
+        flops = 4.0 * q.numel() * q.shape[-2]
+    return max(flops / 50e12, nbytes / 2e12)
+
+
+def block_paths(model: torch.nn.Module) -> list[str]:
+    """Module paths of the repeated blocks (children of the longest ModuleList/Sequential)."""
+    best: list[str] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) and len(mod) > len(best):
+            best = [f"{name}.{child}" if name else child for child, _ in mod.named_children()]
+    return best
+
+
+def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int) -> tuple[list[str], list[float]]:
+    """Split points for ``n_stages`` cost-balanced stages, at block boundaries (min over splits of max stage cost)."""
+    blocks = block_paths(model)
+    if n_stages > max(len(blocks), 1):
+        raise PlanError(f"stages={n_stages} is more than the {len(blocks)} splittable blocks of "
+                        f"{type(model).__name__} ({', '.join(blocks[:3])}{', ...' if len(blocks) > 3 else ''}); "
+                        "use fewer stages, or name the modules that start each stage")
+    stage = assign_stages(gm.graph, blocks[1:])
+    seg_costs = [0.0] * len(blocks)
+    for n, s in stage.items():
+        seg_costs[s] += node_cost(n)
+    cuts = _balanced_cuts(seg_costs, n_stages)
+    starts = [blocks[c] for c in cuts]
+    bounds = [0, *cuts, len(blocks)]
+    return starts, [sum(seg_costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _balanced_cuts(costs: list[float], k: int) -> list[int]:
+    """Indices where stages 1..k-1 start so that the largest contiguous group sum is smallest (exact DP)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    arg = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n + 1):
+            for p in range(j - 1, i):
+                v = max(best[j - 1][p], prefix[i] - prefix[p])
+                if v < best[j][i] - 1e-18:
+                    best[j][i], arg[j][i] = v, p
+    cuts, i = [], n
+    for j in range(k, 0, -1):
+        i = arg[j][i]
+        cuts.append(i)
+    return sorted(cuts)[1:]
+
+
+def resolve_starts(model: torch.nn.Module, stages: list[str] | tuple[str, ...]) -> list[str]:
+    """Validate user split paths against the model's modules (with close-match hints)."""
+    paths = [name for name, _ in model.named_modules() if name]
+    for p in stages:
+        if not isinstance(p, str) or p not in paths:
+            hint = close_matches(str(p), paths)
+            raise PlanError(f"stage split path {p!r} matches no module of {type(model).__name__}"
+                            + (f"; did you mean: {', '.join(hint)}?" if hint else ""))
+    return list(stages)
+
+
+def split_stages(gm: fx.GraphModule, model: torch.nn.Module, stages: int | list[str] | tuple[str, ...]) -> Split:
+    """Split the exported forward graph into stages (an int: cost-balanced; a list: module paths starting stages)."""
+    if isinstance(stages, int):
+        starts, costs = choose_starts(gm, model, stages) if stages > 1 else ([], [])
+    else:
+        starts, costs = resolve_starts(model, stages), []
+    stage = assign_stages(gm.graph, starts)
+    n = len(starts) + 1
+    _check_nonempty(stage, starts, n)
+    needed = _crossing(gm.graph, stage, n)
+    graphs = [_build_stage(gm, stage, s, needed, n) for s in range(n)]
+    for s, g in enumerate(graphs):
+        g.first_module = starts[s - 1] if s else "(start)"
+        g.cost = costs[s] if costs else sum(node_cost(x) for x, k in stage.items() if k == s)
+    return Split(graphs, starts, [g.cost for g in graphs])
+
+
+def _check_nonempty(stage: dict[fx.Node, int], starts: list[str], n: int) -> None:
+    counts = [0] * n
+    for s in stage.values():
+        counts[s] += 1
+    for s in range(1, n):
+        if counts[s] == 0:
+            raise PlanError(f"stage {s} (starting at {starts[s - 1]!r}) computes nothing from the model's inputs: "
+                            "its split path starts no computation, or comes after a later one; "
+                            "list split paths in execution order")
+
+
+def _crossing(graph: fx.Graph, stage: dict[fx.Node, int], n: int) -> list[list[fx.Node]]:
+    """``needed[s]``: data values produced at or before stage s and used after it (sent from s to s+1)."""
+    last_use: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        users_stage = n - 1 if node.op == "output" else stage.get(node)
+        if users_stage is None:
+            continue
+        for a in node.all_input_nodes:
+            if a in stage:
+                last_use[a] = max(last_use.get(a, 0), users_stage)
+    needed: list[list[fx.Node]] = [[] for _ in range(n)]
+    for node in graph.nodes:  # graph order keeps the send order deterministic
+        if node in stage:
+            for s in range(stage[node], last_use.get(node, stage[node])):
+                needed[s].append(node)
+    return needed
+
+
+def _build_stage(gm: fx.GraphModule, stage: dict[fx.Node, int], s: int, needed: list[list[fx.Node]],
+                 n: int) -> StageGraph:
+    received = needed[s - 1] if s else []
+    out_node = gm.graph.output_node()
+    roots = [x for x in gm.graph.nodes if stage.get(x) == s and not _is_guard(x)]
+    roots += [a for a in out_node.all_input_nodes] if s == n - 1 else needed[s]
+    keep = _closure(roots, set(received))
+    for a in keep:
+        assert a not in stage or stage[a] == s or a in received, f"{a.name} (stage {stage[a]}) reached stage {s} unsent"
+    user_phs = [p for p in gm.graph.nodes if p.op == "placeholder"]
+    used_inputs = [i for i, p in enumerate(user_phs) if p in keep]
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {a: _placeholder(g, a) for a in received}
+    env.update({user_phs[i]: _placeholder(g, user_phs[i]) for i in used_inputs})
+    for x in gm.graph.nodes:
+        if x in keep and x not in env:
+            env[x] = g.node_copy(x, lambda b: env[b])
+    if s == n - 1:
+        outs = [env[a] if isinstance(a, fx.Node) else a for a in out_node.args[0]]
+        sent: list[str] = []
+    else:
+        outs = [_fresh(g, env[a], a in received) for a in needed[s]]
+        sent = [a.name for a in needed[s]]
+    g.output(tuple(outs))
+    g.eliminate_dead_code()
+    return StageGraph(s, fx.GraphModule(gm, g), [a.name for a in received], used_inputs, sent)
+
+
+def _closure(roots: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
+    """``roots`` and everything they read, not looking past ``stop`` (values received from the previous stage)."""
+    keep: set[fx.Node] = set()
+    todo = list(roots)
+    while todo:
+        a = todo.pop()
+        if a in keep:
+            continue
+        keep.add(a)
+        if a not in stop:
+            todo.extend(a.all_input_nodes)
+    return keep
+
+
+def _placeholder(g: fx.Graph, a: fx.Node) -> fx.Node:
+    ph = g.placeholder(re.sub(r"\W", "_", a.name))
+    ph.meta.update(a.meta)
+    return ph
+
+
+def _fresh(g: fx.Graph, v: fx.Node, passthrough: bool) -> fx.Node:
+    """A boundary output that is not an input or a view (AOTAutograd would treat those as aliases)."""
+    if not passthrough and v.target not in VIEW_OPS:
+        return v
+    out = g.call_function(aten.clone.default, (v,))
+    out.meta.update(v.meta)
+    return out
+
+
+def _is_guard(n: fx.Node) -> bool:
+    return n.op == "call_module" and str(n.target).startswith("_guards")
