@@ -26,10 +26,14 @@ c10d = torch.ops._c10d_functional
 
 
 def _skip_first_reduction(graph: str, on_rank: int, pm: fxpar.ParallelModule, rank: int) -> None:
-    """On ``on_rank``, make the first all_reduce of the forward or backward graph a no-op for its users."""
+    """On ``on_rank``, make the first all_reduce of the forward or backward pass a no-op for its users.
+
+    The backward pass's dp gradient reduction lives in the once-per-step ``reduce_grads`` graph.
+    """
     if rank != on_rank:
         return
-    gm: fx.GraphModule = dict(zip(("forward", "backward"), pm.executed_graphs(), strict=True))[graph]
+    graphs = pm.executed_graphs()
+    gm: fx.GraphModule = graphs["reduce_grads" if graph == "backward" and "reduce_grads" in graphs else graph]
     reduce = next(n for n in gm.graph.nodes if n.target is c10d.all_reduce.default)
     wait = next(iter(reduce.users))
     wait.replace_all_uses_with(reduce.args[0])  # the partial sum / the local gradient, unreduced

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 import fxpar
 from fxpar import serialize
 from fxpar.api import compile_program
-from fxpar.ir import Program
+from fxpar.compiled import Compiled
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
 from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
 
@@ -95,13 +95,14 @@ class Case:
     loss_fn: LossFn | None
     rank_hook: RankHook | None
     want_program: bool
+    targets: Any = None
 
 
 def assert_equivalent(model_fn: ModelFn, mesh_axes: dict[str, int], plan: Any, inputs: tuple[Any, ...] | Any,
                       steps: int = 3, rtol: float | None = None, atol: float | None = None, *, lr: float = 1e-3,
                       seed: int = 0, loss_fn: LossFn | None = None, pool: RankPool | None = None,
                       timeout: float = 300.0, rank_hook: RankHook | None = None,
-                      want_program: bool = False) -> list[RankReport]:
+                      want_program: bool = False, targets: Any = None) -> list[RankReport]:
     """Check ``fxpar.parallelize(model_fn(), Mesh(mesh_axes), inputs, plan)`` against the single-device model.
 
     Requires: ``model_fn`` a picklable zero-argument callable (module-level function,
@@ -111,13 +112,17 @@ def assert_equivalent(model_fn: ModelFn, mesh_axes: dict[str, int], plan: Any, i
     every floating output), so that dp ranks' local losses average to the global one.
     ``rtol``/``atol`` override the step-0 tolerance (default by dtype, see ``fxpar.testing.tolerance``).
     ``rank_hook(pm, rank)`` runs in each rank before the first step (e.g. to inject a fault).
+    With pipeline stages, several microbatches or ``targets`` (global shapes, sharded like the inputs),
+    each step is ``pm.step(inputs, targets)`` and ``loss_fn(outputs, targets)`` (or ``loss_fn(outputs)``
+    without targets) is compared with the single-device loss instead of the outputs.
     Ensures: returns one ``RankReport`` per rank when every output, gradient and updated parameter
     matches on every rank at every step; raises ``EquivalenceError`` naming the first diverging tensor,
     rank and step otherwise; a user error while compiling (``PlanError``, ``ValueError``, ...) is
     re-raised with its own type; a hung or dead rank raises ``RankFailure`` within ``timeout``.
     """
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    case = Case(model_fn, dict(mesh_axes), plan, inputs, steps, rtol, atol, lr, seed, loss_fn, rank_hook, want_program)
+    case = Case(model_fn, dict(mesh_axes), plan, inputs, steps, rtol, atol, lr, seed, loss_fn, rank_hook, want_program,
+                targets)
     _check_picklable(case)
     world = math.prod(mesh_axes.values())
     pool = pool or default_pool()
@@ -179,18 +184,21 @@ def check_rank(case: Case) -> RankReport:
     rank = dist.get_rank()
     mesh = fxpar.Mesh(case.mesh_axes)
     reference, model = _build_twice(case)
-    pm = fxpar.ParallelModule(_compile_once(model, mesh, case), model, rank)
+    pm = fxpar.ParallelModule(_compile_once(model, mesh, case), model, rank, loss_fn=case.loss_fn or mean_square)
+    fxpar.verify(pm)
     if case.rank_hook is not None:
         case.rank_hook(pm, rank)
     report = RankReport(rank, program=pm.program(rank) if case.want_program else "")
+    if len(pm._compiled.stages) > 1 or pm._compiled.microbatches > 1 or case.targets is not None:
+        return _check_steps(case, pm, reference, report)
     dtype = next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
     tol = default_tolerance(dtype, case.rtol, case.atol)
     local_inputs = _dp_shard(case.inputs, mesh, rank)
     opt = torch.optim.AdamW(pm.parameters(), lr=case.lr, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
-    ref_params = dict(reference.named_parameters())
     loss_fn = case.loss_fn or mean_square
     coord, sizes = mesh.coord(rank), mesh.shape
+    pcoord, psizes = _param_coord(mesh, rank)
     for step in range(case.steps):
         out, ref_out = pm(*local_inputs), reference(*case.inputs)
         names, ref_leaves = _output_leaves(ref_out)
@@ -202,20 +210,80 @@ def check_rank(case: Case) -> RankReport:
         loss.backward()
         ref_loss.backward()
         report.losses.append((_global_mean(loss, mesh), ref_loss.item()))
-        for name, p in pm.named_parameters():
-            _compare_param(f"grad of {name}", p.grad, ref_params[name].grad, step, tol, report, coord, sizes)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        param_tol = Tolerance(tol.rtol, tol.param_lr_fraction * case.lr, tol.later_steps, tol.param_lr_fraction)
-        for name, p in pm.named_parameters():
-            _compare_param(f"{name} after step {step + 1}", p.data, ref_params[name].data, step, param_tol, report,
-                           coord, sizes, absolute=True)
+        _compare_grads_and_step(case, pm, reference, opt, ref_opt, step, tol, report, pcoord, psizes)
     return report
 
 
-def _compile_once(model: torch.nn.Module, mesh: fxpar.Mesh, case: Case) -> Program:
+def _check_steps(case: Case, pm: fxpar.ParallelModule, reference: torch.nn.Module, report: RankReport) -> RankReport:
+    """``pm.step`` (pipeline schedule, microbatches) against the single-device loss, gradients and parameters."""
+    mesh, rank = pm.mesh, report.rank
+    dtype = next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
+    tol = default_tolerance(dtype, case.rtol, case.atol)
+    local_inputs = _dp_shard(case.inputs, mesh, rank)
+    local_targets = _dp_shard((case.targets,), mesh, rank)[0] if case.targets is not None else None
+    opt = torch.optim.AdamW(pm.parameters(), lr=case.lr, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
+    loss_fn = case.loss_fn or mean_square
+    pcoord, psizes = _param_coord(mesh, rank)
+    for step in range(case.steps):
+        args = (*local_inputs, local_targets) if local_targets is not None else local_inputs
+        loss = pm.step(*args)
+        ref_loss = _reference_step(case, reference, loss_fn, mesh.axes.get("dp", 1), pm._compiled.microbatches)
+        report.losses.append((loss.item(), ref_loss.item()))
+        _compare("loss", loss.reshape(1), ref_loss.detach().reshape(1), step, tol, report)
+        _compare_grads_and_step(case, pm, reference, opt, ref_opt, step, tol, report, pcoord, psizes)
+    return report
+
+
+def _reference_step(case: Case, reference: torch.nn.Module, loss_fn: LossFn, dp: int, m: int) -> torch.Tensor:
+    """Forward and backward of the single-device model over the global batch, in the microbatches ``pm.step`` uses.
+
+    Microbatch ``j`` is every dp shard's ``j``-th slice; each loss is scaled by ``1/m`` before backward and the
+    returned loss is their mean. In exact arithmetic that is the full-batch loss and gradient; in fp32 it also
+    sums in the parallel program's grouping, so the comparison tests the compiler, not the reordering (a
+    full-batch reference differs from a microbatched one by up to ~3e-5 relative on small gradients).
+    """
+    def microbatch(x: Any, j: int) -> Any:
+        if not isinstance(x, torch.Tensor) or not x.ndim:
+            return x
+        return torch.cat([shard.chunk(m)[j] for shard in x.chunk(dp)])
+
+    losses = []
+    for j in range(m):
+        out = reference(*(microbatch(x, j) for x in case.inputs))
+        loss = loss_fn(out, microbatch(case.targets, j)) if case.targets is not None else loss_fn(out)
+        (loss / m).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def _compare_grads_and_step(case: Case, pm: fxpar.ParallelModule, reference: torch.nn.Module, opt: Any,
+                            ref_opt: Any, step: int, tol: Tolerance, report: RankReport, coord: tuple[int, ...],
+                            sizes: tuple[int, ...]) -> None:
+    """Every gradient this rank holds, one AdamW step on both sides, then every parameter."""
+    ref_params = dict(reference.named_parameters())
+    for name, p in pm.named_parameters():
+        _compare_param(f"grad of {name}", p.grad, ref_params[name].grad, step, tol, report, coord, sizes)
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    param_tol = Tolerance(tol.rtol, tol.param_lr_fraction * case.lr, tol.later_steps, tol.param_lr_fraction)
+    for name, p in pm.named_parameters():
+        _compare_param(f"{name} after step {step + 1}", p.data, ref_params[name].data, step, param_tol, report,
+                       coord, sizes, absolute=True)
+
+
+def _param_coord(mesh: fxpar.Mesh, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's coordinate and the axis sizes of the mesh parameters live on (every axis but pp)."""
+    keep = [i for i, a in enumerate(mesh.names) if a != "pp"]
+    coord = mesh.coord(rank)
+    if not keep:
+        return (0,), (1,)
+    return tuple(coord[i] for i in keep), tuple(mesh.shape[i] for i in keep)
+
+
+def _compile_once(model: torch.nn.Module, mesh: fxpar.Mesh, case: Case) -> Compiled:
     """The global program, compiled on rank 0 and sent to every rank (``fxpar.serialize``).
 
     ``fxpar.parallelize`` compiles on every rank; the programs are identical, and compiling once
@@ -225,7 +293,8 @@ def _compile_once(model: torch.nn.Module, mesh: fxpar.Mesh, case: Case) -> Progr
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            payload[0] = serialize.dumps(compile_program(model, mesh, case.inputs, case.plan))
+            payload[0] = serialize.dumps(compile_program(model, mesh, case.inputs, case.plan,
+                                                         loss_fn=case.loss_fn or mean_square))
         except Exception as e:  # noqa: BLE001 - sent to every rank, then raised everywhere
             payload[0] = e
     dist.broadcast_object_list(payload, src=0)

@@ -84,3 +84,64 @@ def die_before_first_forward(dying_rank: int) -> str:
     loss = pm(torch.randn(8, 32)).pow(2).mean()
     loss.backward()
     return "step completed"
+
+
+def die_mid_schedule(dying_rank: int) -> str:
+    """Rank body: a pp=2 pipeline (1F1B, 4 microbatches) where ``dying_rank`` exits hard after its first
+    forward, while the other rank waits for its activations or gradients."""
+    import fxpar
+    from fxpar.models.llama import llama
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (8, 16))
+    plan = fxpar.Plan(stages=2, schedule="1f1b", microbatches=4)
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"pp": 2}), (tokens,), plan=plan, loss_fn=mean_square)
+    if dist.get_rank() == dying_rank:  # die inside the schedule: right after this rank's first action
+        executor = pm._executor_for_tests()
+        dispatch = executor.dispatch
+
+        def dispatch_then_die(*args: object) -> None:
+            dispatch(*args)
+            os._exit(1)
+
+        executor.dispatch = dispatch_then_die  # type: ignore[method-assign]
+    pm.step(tokens)
+    return "step completed"
+
+
+def mean_square(out: torch.Tensor) -> torch.Tensor:
+    """A batch-mean loss of a model's output (module-level, so ranks can unpickle it)."""
+    return out.float().pow(2).mean()
+
+
+def gpt2(layers: int = 2, vocab: int = 128, hidden: int = 64, heads: int = 4) -> nn.Module:
+    """HF ``GPT2LMHeadModel`` with tied input/output embeddings, dropout off (test-only; needs transformers)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=hidden, n_layer=layers, n_head=heads,
+                     tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def next_token_loss(out: object, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each position's logits against the next token (HF outputs or a logits tensor)."""
+    logits = getattr(out, "logits", out)
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def pipeline_step_with_trace(path: str) -> dict[str, object]:
+    """Rank body: one traced ``pm.step`` of a pp=2 x dp=2 pipeline (1F1B, 2 microbatches); returns its loss."""
+    import fxpar
+    from fxpar.models.llama import llama
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (8, 16))
+    mesh = fxpar.Mesh({"pp": 2, "dp": 2})
+    pm = fxpar.parallelize(llama(n_layers=2), mesh, (tokens,), plan=fxpar.Plan(microbatches=2),
+                           loss_fn=next_token_loss, example_targets=tokens)
+    local = tokens.chunk(2)[mesh.coord(dist.get_rank())[1]]
+    loss = pm.step(local, local, trace=path)
+    return {"loss": loss.item(), "params": sorted(n for n, _ in pm.named_parameters())}

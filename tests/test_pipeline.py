@@ -1,0 +1,216 @@
+"""Pipeline parallelism: stage split, schedules, 3D meshes, the step ledger and the collective-order proof.
+
+Equivalence cases run ``pm.step`` on real gloo ranks against the single-device model: the loss of every step,
+every gradient and every parameter after 3 AdamW steps (fp32: rtol 1e-5 with an atol floor of 1e-6 x the
+tensor's magnitude at step 0, since microbatching only changes the summation order; see
+``fxpar.testing.tolerance``). Ledger, verify and bad-input cases compile on fake meshes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from functools import partial
+
+import pytest
+import torch
+from fxpar.schedules import Action
+
+import fxpar
+from fxpar.models.llama import llama, llama_plan
+from fxpar.models.mlp import mlp
+from fxpar.testing import assert_equivalent, default_pool, error_models
+from fxpar.testing.error_models import next_token_loss
+from fxpar.testing.launch import RankFailure, run_ranks
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+
+
+def _tokens(batch: int = 8, seq: int = 16, vocab: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _check(model_fn, mesh: dict[str, int], plan: fxpar.Plan, tokens: torch.Tensor) -> None:  # noqa: ANN001
+    reports = assert_equivalent(model_fn, mesh, plan, (tokens,), loss_fn=next_token_loss, targets=tokens)
+    assert all(len(r.losses) == 3 and r.compared > 0 for r in reports)
+
+
+# 1. equivalence on real gloo ranks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_each_schedule_matches_single_device(schedule: str) -> None:
+    stages = 4 if schedule == "interleaved-1f1b" else 2  # interleaved: v = 2 stages per pp rank
+    _check(partial(llama, n_layers=4), {"pp": 2}, fxpar.Plan(stages=stages, schedule=schedule, microbatches=4),
+           _tokens())
+
+
+def test_pp2_dp2_tp2_matches_single_device() -> None:
+    _check(partial(llama, n_layers=2), {"pp": 2, "dp": 2, "tp": 2},
+           fxpar.Plan(tp=llama_plan(), schedule="1f1b", microbatches=2), _tokens())
+
+
+def test_split_by_module_path_with_dp() -> None:
+    # an MLP has no repeated blocks: name the module that starts stage 1
+    torch.manual_seed(1)
+    assert_equivalent(mlp, {"pp": 2, "dp": 2}, fxpar.Plan(stages=["down"], microbatches=2), (torch.randn(8, 32),))
+
+
+def test_hf_llama_pipeline_matches_single_device() -> None:
+    pytest.importorskip("transformers")
+    from fxpar.models.hf import hf_llama
+
+    _check(partial(hf_llama, layers=4), {"pp": 2}, fxpar.Plan(stages=["model.layers.2"], schedule="zb-h1",
+                                                               microbatches=2), _tokens(vocab=128))
+
+
+def test_gpt2_tied_embeddings_across_stages() -> None:
+    # wte is used by stage 0 (embedding) and stage 1 (lm_head): both hold it, its gradient is summed over pp
+    pytest.importorskip("transformers")
+    _check(error_models.gpt2, {"pp": 2}, fxpar.Plan(microbatches=2), _tokens(vocab=128))
+    pm = fxpar.parallelize(error_models.gpt2(), fxpar.Mesh({"pp": 2}, fake=True), (_tokens(vocab=128),),
+                           plan=fxpar.Plan(microbatches=2), loss_fn=next_token_loss)
+    ties = [r for r in pm.ledger(0) if r.axis == "pp" and r.op == "all_reduce"]
+    assert [r.shape for r in ties] == [(128, 64)] and ties == [r for r in pm.ledger(1) if r.op == "all_reduce"]
+
+
+def test_traced_step_writes_every_ranks_actions(tmp_path) -> None:  # noqa: ANN001
+    path = str(tmp_path / "step.json")
+    results = default_pool().run(error_models.pipeline_step_with_trace, 4, path, timeout=300)
+    assert len({round(r["loss"], 6) for r in results}) == 1  # the same global loss on every rank
+    events = json.load(open(path))["traceEvents"]
+    assert {e["tid"] for e in events} == {0, 1, 2, 3}
+    assert {e["name"] for e in events if e["tid"] == 0} >= {"F0.0", "F0.1", "B0.0", "B0.1", "SEND_F0.0>1"}
+    assert all(e["dur"] >= 0 for e in events)
+
+
+# 2. the ledger: exactly what must cross a boundary ------------------------------------------------------
+
+
+def test_ledger_two_m_transfers_per_boundary_of_the_hidden_state() -> None:
+    b, s, h, m, dp, pp = 16, 16, 64, 4, 2, 4
+    mesh = fxpar.Mesh({"pp": pp, "dp": dp, "tp": 2}, fake=True)
+    pm = fxpar.parallelize(llama(n_layers=4, hidden=h), mesh, (_tokens(b, s),),
+                           plan=fxpar.Plan(tp=llama_plan(), microbatches=m), loss_fn=next_token_loss)
+    rows = [r for rank in range(0, mesh.size, mesh.size // pp) for r in pm.ledger(rank)]  # dp=0, tp=0 of each stage
+    for boundary in range(pp - 1):
+        fwd = [r for r in rows if r.op == "send" and r.phase == "fwd" and r.stage == boundary]
+        bwd = [r for r in rows if r.op == "send" and r.phase == "bwd" and r.stage == boundary + 1]
+        assert len(fwd) + len(bwd) == 2 * m
+        assert {r.bytes for r in fwd + bwd} == {(b // dp // m) * s * h * 4}
+        assert sorted(r.mb for r in fwd) == sorted(r.mb for r in bwd) == list(range(m))
+    recvs = [r for r in rows if r.op == "recv"]
+    assert len(recvs) == len([r for r in rows if r.op == "send"])  # every send has its receive
+    # rotary tables and the causal mask are recomputed per stage: only the hidden state crosses
+    assert all(r.shape == (b // dp // m, s, h) for r in rows if r.axis == "pp" and r.op in ("send", "recv"))
+
+
+def test_dp_gradients_are_reduced_once_per_step_not_per_microbatch() -> None:
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"pp": 2, "dp": 2}, fake=True), (_tokens(),),
+                           plan=fxpar.Plan(microbatches=4), loss_fn=next_token_loss)
+    for rank in (0, 2):
+        dp_rows = [r for r in pm.ledger(rank) if r.axis == "dp"]
+        params = {fqn for s in pm.stages_of(rank) for fqn, _ in pm._compiled.stages[s].signature.params}
+        assert len(dp_rows) == len(params) and all(r.mb is None and r.op == "all_reduce" for r in dp_rows)
+
+
+def test_int_stages_are_cost_balanced_and_shown_in_the_plan() -> None:
+    pm = fxpar.parallelize(llama(n_layers=8), fxpar.Mesh({"pp": 4}, fake=True), (_tokens(),),
+                           plan=fxpar.Plan(stages=4, microbatches=4), loss_fn=next_token_loss)
+    assert pm.plan.notes["stage starts"] == "layers.2, layers.4, layers.6"
+    assert "stage costs" in str(pm.plan)
+    text = pm.program(1)
+    assert "def forward_stage1(" in text and "# recv" in text and "next stage: rank 2" in text
+
+
+# 3. the collective-order proof --------------------------------------------------------------------------
+
+
+def test_verify_on_a_large_fake_mesh_is_fast() -> None:
+    mesh = fxpar.Mesh({"pp": 4, "dp": 32, "tp": 8}, fake=True)  # 1,024 ranks
+    pm = fxpar.parallelize(llama(n_layers=8), mesh, (_tokens(128, 16),),
+                           plan=fxpar.Plan(tp=llama_plan(), stages=8, schedule="interleaved-1f1b", microbatches=4),
+                           loss_fn=next_token_loss)
+    start = time.perf_counter()
+    fxpar.verify(pm)
+    assert time.perf_counter() - start < 30
+
+
+def test_verify_catches_two_swapped_actions() -> None:
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"pp": 2}, fake=True), (_tokens(),),
+                           plan=fxpar.Plan(schedule="1f1b", microbatches=4), loss_fn=next_token_loss)
+    actions = list(pm.schedule.actions[0])
+    first_recv = next(i for i, a in enumerate(actions) if a.kind == "RECV_B")
+    actions[0], actions[first_recv] = actions[first_recv], actions[0]  # wait for a gradient before any forward
+    with pytest.raises(fxpar.VerifyError, match=r"rank 0"):
+        fxpar.verify(pm, actions={0: actions})
+
+
+def test_verify_catches_a_mismatched_collective_order() -> None:
+    pm = fxpar.parallelize(mlp(), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(8, 32),))
+    rp = pm.rank_program(1)
+    reduce = rp.reduce_grads.graph
+    collectives = [n for n in reduce.nodes if n.name.endswith("_allreduce")]
+    last = collectives[-1]
+    collectives[0].prepend(last)  # rank 1 reduces its last gradient first
+    with pytest.raises(fxpar.VerifyError, match=r"collective mismatch in group \[0, 1\]: rank 0 step 0"):
+        fxpar.verify(pm, ranks="all")
+
+
+def test_verify_catches_receives_out_of_order() -> None:
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"pp": 2}, fake=True), (_tokens(),),
+                           plan=fxpar.Plan(microbatches=2), loss_fn=next_token_loss)
+    bad = [Action("RECV_F", 0, 1, peer=0) if a == Action("RECV_F", 0, 0, peer=0) else
+           Action("RECV_F", 0, 0, peer=0) if a == Action("RECV_F", 0, 1, peer=0) else a for a in pm.schedule.actions[1]]
+    with pytest.raises(fxpar.VerifyError, match=r"rank 1's action list is not runnable"):
+        fxpar.verify(pm, actions={1: bad})
+
+
+# 4. bad input ----------------------------------------------------------------------------------------
+
+
+def _compile(plan: fxpar.Plan, mesh: dict[str, int], model: torch.nn.Module | None = None, **kw: object):  # noqa: ANN202
+    kw.setdefault("loss_fn", next_token_loss)
+    return fxpar.parallelize(model or llama(n_layers=4), fxpar.Mesh(mesh, fake=True), (_tokens(),), plan=plan, **kw)
+
+
+def test_stages_not_a_multiple_of_pp() -> None:
+    with pytest.raises(fxpar.PlanError, match=r"stages=3 gives 3 stages, not a multiple of pp=2"):
+        _compile(fxpar.Plan(stages=3), {"pp": 2})
+
+
+def test_split_path_that_matches_no_module() -> None:
+    with pytest.raises(fxpar.PlanError, match=r"'layer.2' matches no module of Llama; did you mean: layers.2"):
+        _compile(fxpar.Plan(stages=["layer.2"]), {"pp": 2})
+
+
+def test_microbatches_not_dividing_the_local_batch() -> None:
+    with pytest.raises(fxpar.PlanError, match=r"microbatches=3 does not divide the local batch: .* 4 per rank"):
+        _compile(fxpar.Plan(microbatches=3), {"pp": 2, "dp": 2})
+
+
+def test_pp_axis_without_loss_fn() -> None:
+    with pytest.raises(fxpar.PlanError, match=r"'pp' axis needs loss_fn"):
+        _compile(fxpar.Plan(), {"pp": 2}, loss_fn=None)
+
+
+def test_more_stages_than_blocks() -> None:
+    with pytest.raises(fxpar.PlanError, match=r"stages=6 is more than the 4 splittable blocks of Llama"):
+        _compile(fxpar.Plan(stages=6), {"pp": 2})
+
+
+def test_unknown_schedule_suggests_a_name() -> None:
+    with pytest.raises(fxpar.PlanError, match=r"unknown schedule '1F1B'.*did you mean '1f1b'"):
+        _compile(fxpar.Plan(schedule="1F1B"), {"pp": 2})
+
+
+def test_dead_rank_mid_schedule_fails_the_others_within_the_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(error_models.die_mid_schedule, 2, 1, timeout=90, collective_timeout=10)
+    elapsed = time.monotonic() - start
+    msg = str(info.value)
+    assert elapsed < 60, f"took {elapsed:.1f}s to report a dead rank"
+    assert 1 in info.value.ranks and "step completed" not in msg, msg
+    assert 0 in info.value.ranks or re.search(r"ranks \[0\] were terminated", msg), msg
