@@ -3,7 +3,9 @@
 Models, meshes and plans come from ``fxpar.testing.strategies``: MLPs and Llama-style transformers with odd
 widths, GQA, biases, LayerNorm/RMSNorm and tied embeddings, under random per-module tensor-parallel plans.
 MLPs run on meshes of up to 8 ranks, transformers (whose compile and lowering dominate) on up to 4. Each
-example compares outputs, gradients and parameters after 2 AdamW steps on every rank. The seed is printed
+example compares outputs, gradients and parameters after 2 AdamW steps on every rank. Pipeline examples draw
+the schedule, the microbatch count and a pp=2 mesh (alone, with dp=2 or with tp=2) and compare ``pm.step``'s
+loss, gradients and parameters instead of outputs. The seed is printed
 in the session summary (``tests/conftest.py``); hypothesis shrinks a failure to a minimal case and prints
 it with a ``@reproduce_failure`` blob.
 """
@@ -17,11 +19,12 @@ from conftest import PROPERTY_EXAMPLES, PROPERTY_SEED
 from hypothesis import given, seed, settings
 
 from fxpar.testing import assert_equivalent
-from fxpar.testing.strategies import ModelSpec, cases
+from fxpar.testing.strategies import ModelSpec, cases, pipeline_cases
 
 SCALE = float(os.environ.get("FXPAR_PROPERTY_SCALE", "1"))  # e.g. 5 for a long local run
 MLP_EXAMPLES = int(140 * SCALE)
 TRANSFORMER_EXAMPLES = int(60 * SCALE)
+PIPELINE_EXAMPLES = int(12 * SCALE)
 
 
 def _check(family: str, case: tuple[ModelSpec, dict[str, int], dict[str, str] | None, int]) -> None:
@@ -44,3 +47,12 @@ def test_mlp_matches_single_device(case: tuple[ModelSpec, dict[str, int], dict[s
 @given(cases(kind="transformer", max_world=4))
 def test_transformer_matches_single_device(case: tuple[ModelSpec, dict[str, int], dict[str, str] | None, int]) -> None:
     _check("transformer", case)
+
+
+@pytest.mark.timeout(1200)
+@seed(PROPERTY_SEED)
+@settings(max_examples=PIPELINE_EXAMPLES)
+@given(pipeline_cases())
+def test_pipeline_matches_single_device(case: tuple[ModelSpec, dict[str, int], object, int]) -> None:
+    """pp=2 (alone, x dp=2 or x tp=2) with a drawn schedule and microbatch count: ``pm.step`` vs the single device."""
+    _check("pipeline", case)
