@@ -175,7 +175,7 @@ def split_stages(gm: fx.GraphModule, model: torch.nn.Module, stages: int | list[
     needed = _crossing(gm.graph, stage, n)
     graphs = [_build_stage(gm, stage, s, needed, n) for s in range(n)]
     for s, g in enumerate(graphs):
-        g.first_module = starts[s - 1] if s else "(start)"
+        g.first_module = starts[s - 1] if s else "the model inputs"
         g.cost = costs[s] if costs else sum(node_cost(x) for x, k in stage.items() if k == s)
     return Split(graphs, starts, [g.cost for g in graphs])
 

@@ -13,8 +13,9 @@ sums and the loss all-reduce. ``verify`` then plays all ranks together:
   with the event it waits on.
 
 By default one rank per pipeline coordinate is simulated, those sharing the calling rank's dp/tp
-coordinate (a role: the ranks of one dp/tp group run the same program, up to group names), so meshes of thousands of ranks verify in seconds;
-``ranks="all"`` simulates every rank, checking each group's members against each other.
+coordinate (a role: the ranks of one dp/tp group run the same program, up to group names), so
+meshes of thousands of ranks verify in seconds; ``ranks="all"`` simulates every rank, checking
+each group's members against each other.
 """
 
 from __future__ import annotations
