@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/python -m fxpar.demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
