@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import re
 import traceback
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,9 +102,28 @@ def _fake_state(model: torch.nn.Module, fake_mode: FakeTensorMode, device: str) 
     return state
 
 
+@contextmanager
+def without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
+    """Turn off a Hugging Face model's KV cache (``config.use_cache``) for the duration, then restore it.
+
+    fxpar compiles a training step; HF decoders default to returning a ``DynamicCache``, which is not a
+    pytree ``torch.export`` can return and which no training loss reads.
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
 def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.ExportedProgram:
     try:
-        return torch.export.export(model, args, strict=False)
+        with without_kv_cache(model):
+            return torch.export.export(model, args, strict=False)
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a CaptureError
         raise CaptureError(_explain_trace_failure(model, e)) from e
 

@@ -65,6 +65,15 @@ def test_hf_llama_pipeline_matches_single_device() -> None:
                                                                microbatches=2), _tokens(vocab=128))
 
 
+def test_hf_qwen2_pp2_tp2_with_its_kv_cache_default_matches_single_device() -> None:
+    # Qwen2 keeps use_cache=True: fxpar compiles the training step without the KV cache output
+    pytest.importorskip("transformers")
+    tp = {"model.layers.*.self_attn.[qkv]_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+          "model.layers.*.mlp.[gu]*_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    _check(error_models.qwen2, {"pp": 2, "tp": 2}, fxpar.Plan(tp=tp, stages=["model.layers.2"], schedule="1f1b",
+                                                             microbatches=2), _tokens(vocab=128))
+
+
 def test_gpt2_tied_embeddings_across_stages() -> None:
     # wte is used by stage 0 (embedding) and stage 1 (lm_head): both hold it, its gradient is summed over pp
     pytest.importorskip("transformers")

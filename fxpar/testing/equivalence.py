@@ -318,6 +318,8 @@ def _build_twice(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
         if not torch.equal(a, b):
             raise ValueError(f"model_fn is not deterministic under torch.manual_seed: {name!r} differs between "
                              "two builds; initialize every parameter from torch's RNG")
+    if getattr(getattr(reference, "config", None), "use_cache", False):
+        reference.config.use_cache = False  # as fxpar compiles HF models: a training step, no KV cache out
     return reference, model
 
 

@@ -124,6 +124,16 @@ def gpt2(layers: int = 2, vocab: int = 128, hidden: int = 64, heads: int = 4) ->
     return GPT2LMHeadModel(cfg).eval()
 
 
+def qwen2(layers: int = 4, vocab: int = 128, hidden: int = 64) -> nn.Module:
+    """HF ``Qwen2ForCausalLM`` (q/k/v biases, GQA), default ``use_cache=True`` (test-only; needs transformers)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(cfg).eval()
+
+
 def next_token_loss(out: object, tokens: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each position's logits against the next token (HF outputs or a logits tensor)."""
     logits = getattr(out, "logits", out)
