@@ -21,6 +21,8 @@ from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
 from fxpar.executor import StageRunner, StepExecutor
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow, RankProgram, lower
+from fxpar.memory import Memory
+from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.schedules import Schedule
@@ -125,6 +127,10 @@ class ParallelModule(torch.nn.Module):
         from fxpar.verify import step_ledger
 
         return step_ledger(self, rank)
+
+    def memory(self, rank: int = 0) -> Memory:
+        """Predicted bytes per rank for one step: ``.params .grads .optimizer .activations .transient .peak``."""
+        return predict_memory(self, rank)
 
     def ledger_table(self, rank: int = 0) -> str:
         from fxpar.printer import ledger_table

@@ -1,0 +1,148 @@
+"""Predicted memory per rank, read off the lowered programs (no execution).
+
+``pm.memory(rank)`` counts what one training step keeps resident on ``rank``:
+
+* ``params``: the local shards of every parameter the rank holds (each once, also when a tied
+  weight sits on two of its stages);
+* ``grads``: one gradient per trainable parameter, the same size as its shard;
+* ``optimizer``: Adam-like, two states per parameter (``exp_avg``, ``exp_avg_sq``), in the
+  parameter's dtype. torch's per-parameter ``step`` counters (one scalar each) are not counted;
+* ``activations``: the tensors each forward saves for its backward, times the microbatches the
+  schedule keeps in flight on this rank (stage by stage, the schedule's own order). A saved value
+  that is a parameter, a buffer, an input or a view of one adds nothing; views of one saved tensor
+  count once. With zb-h1, a set is released after its ``W`` (an upper bound: some of it dies at
+  ``B``);
+* ``transient``: the largest set of temporaries alive at once inside one forward or backward graph,
+  beyond its inputs (liveness over the graph's node order; a view is free);
+* ``peak`` = params + grads + optimizer + activations + transient.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+# ops whose output shares its input's storage
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.permute.default,
+            aten.expand.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+            aten.squeeze.dims, aten.squeeze.default, aten.alias.default, aten.detach.default, aten.as_strided.default,
+            aten.unflatten.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+            aten.chunk.default, aten.narrow.default, aten.diagonal.default}
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per rank for one training step (see the module docstring for what each counts)."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+
+    @property
+    def peak(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+    def __str__(self) -> str:
+        rows = [("params", self.params), ("grads", self.grads), ("optimizer (Adam, 2 states)", self.optimizer),
+                ("activations (saved, in flight)", self.activations), ("transient (largest graph)", self.transient),
+                ("peak", self.peak)]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"memory of rank {self.rank} (bytes)"]
+        lines += [f"  {name:<{width}}  {value:>14,}  {_mib(value):>10}" for name, value in rows]
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def predict(pm: Any, rank: int) -> Memory:
+    """``pm.memory(rank)``: the rank's predicted bytes (lowers the rank's programs if not yet built)."""
+    c = pm._compiled
+    stages = c.stage_of_rank(rank)
+    param_bytes: dict[str, int] = {}
+    grad_bytes: dict[str, int] = {}
+    saved: dict[int, int] = {}
+    transient = 0
+    for s in stages:
+        prog, rp = c.stages[s], pm.rank_program(rank, s)
+        placeholders = [n for n in rp.forward.graph.nodes if n.op == "placeholder"]
+        trainable = {fqn for fqn, _ in prog.signature.grads}
+        for (fqn, _), node in zip(prog.signature.params, placeholders, strict=False):
+            param_bytes[fqn] = nbytes(node)
+            if fqn in trainable:
+                grad_bytes[fqn] = nbytes(node)
+        saved[s] = saved_bytes(rp.forward, prog.signature.num_outputs)
+        transient = max(transient, largest_live_set(rp.forward), largest_live_set(rp.backward))
+    params = sum(param_bytes.values())
+    return Memory(rank, params, sum(grad_bytes.values()), 2 * params, _activations_in_flight(c, rank, saved),
+                  transient)
+
+
+def nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` uses: follows view ops (and items of a split) back to their base."""
+    while node.op == "call_function":
+        if node.target in VIEW_OPS and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        elif node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+                and node.args[0].op == "call_function" and node.args[0].target in VIEW_OPS:
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+def saved_bytes(forward: fx.GraphModule, num_outputs: int) -> int:
+    """Bytes of new storage the forward graph saves for backward (placeholders and their views excluded)."""
+    outs = forward.graph.output_node().args[0][num_outputs:]
+    roots = {storage_root(o) for o in outs if isinstance(o, fx.Node)}
+    return sum(nbytes(r) for r in roots if r.op != "placeholder")
+
+
+def largest_live_set(gm: fx.GraphModule) -> int:
+    """Max over the graph's node order of the bytes of temporaries alive at once (not inputs, not outputs)."""
+    nodes = list(gm.graph.nodes)
+    outputs = {storage_root(o) for o in gm.graph.output_node().args[0] if isinstance(o, fx.Node)}
+    last_use: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[storage_root(a)] = i
+    live = peak = 0
+    alive: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        root = storage_root(n)
+        if n.op == "call_function" and root is n and n not in outputs and n in last_use:
+            alive[n] = nbytes(n)
+            live += alive[n]
+        peak = max(peak, live)
+        for a in [a for a, end in last_use.items() if end == i and a in alive]:
+            live -= alive.pop(a)
+    return peak
+
+
+def _activations_in_flight(c: Any, rank: int, saved: dict[int, int]) -> int:
+    """Peak saved bytes over the rank's compute actions: F adds its stage's set, the last backward frees it."""
+    schedule = c.schedule
+    release = "W" if schedule.has_w else "B"
+    live = peak = 0
+    for action in schedule.compute(c.pp_coord(rank)):
+        if action.kind == "F":
+            live += saved[action.stage]
+        elif action.kind == release:
+            live -= saved[action.stage]
+        peak = max(peak, live)
+    return peak

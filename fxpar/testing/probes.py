@@ -1,0 +1,59 @@
+"""Rank bodies that measure what a real step holds, for tests that compare them with predictions.
+
+Module-level functions so the rank pool can run them (``default_pool().run(fn, world, ...)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def storage_bytes(tensors: list[torch.Tensor], exclude: set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each counted once), minus those in ``exclude``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in exclude:
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor,
+                    loss_fn: Any) -> dict[str, Any]:
+    """Rank body: one ``pm.step`` plus an AdamW step, then the local storage of params, grads and Adam state,
+    and of the values one forward of this rank's first stage saves for backward; with ``pm.memory(rank)``."""
+    import fxpar
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    mesh = fxpar.Mesh(mesh_axes)
+    pm = fxpar.parallelize(model_fn(), mesh, (tokens,), plan=plan, loss_fn=loss_fn, example_targets=tokens)
+    dp = mesh_axes.get("dp", 1)
+    local = tokens.chunk(dp)[mesh.coord(rank)[mesh.axis_index("dp")]] if dp > 1 else tokens
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm.step(local, local)
+    opt.step()
+    params = [_local(p) for p in pm.parameters()]
+    state = [_local(v) for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    first = min(pm._runners)
+    runner = pm._runners[first]
+    saved_bytes = None
+    if first == 0:  # the first stage runs on the user's inputs alone: one forward of microbatch 0
+        mb = local.chunk(pm._compiled.microbatches)[0]
+        bufs = pm._buffers_of(first)
+        with torch.no_grad():
+            results = runner.forward(*[pm.local_param(f) for f in runner.param_fqns], *bufs, mb)
+        saved = [t for t in results[runner.num_outputs:] if isinstance(t, torch.Tensor)]
+        saved_bytes = storage_bytes(saved, {t.untyped_storage().data_ptr() for t in [*params, *bufs, mb]})
+    return {"predicted": pm.memory(rank), "params": storage_bytes(params),
+            "grads": storage_bytes([_local(p.grad) for p in pm.parameters()]), "optimizer": storage_bytes(state),
+            "saved_per_microbatch": saved_bytes,
+            "in_flight": pm.schedule.peak_in_flight()[pm._compiled.pp_coord(rank)]}

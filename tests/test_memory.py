@@ -1,0 +1,68 @@
+"""``pm.memory(rank)``: predicted bytes per rank against the formula and against what a real step holds."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from functools import partial
+
+import torch
+
+import fxpar
+from fxpar.models.llama import llama, llama_plan
+from fxpar.testing import default_pool
+from fxpar.testing.error_models import next_token_loss
+from fxpar.testing.probes import measured_memory
+
+TOKENS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _local_elements(model: torch.nn.Module, plan: dict[str, str], tp: int) -> int:
+    """Psi per rank in elements: a parameter of a colwise/rowwise module holds 1/tp of its elements."""
+    total = 0
+    for name, p in model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        sharded = any(fnmatch(module, glob) and style in ("colwise", "rowwise") for glob, style in plan.items())
+        total += p.numel() // tp if sharded else p.numel()
+    return total
+
+
+def test_zero0_formula_on_a_fake_mesh() -> None:
+    # DDP with fp32 AdamW: 4 (param) + 4 (grad) + 8 (two Adam states) bytes per local element = 16 Psi
+    model = llama(n_layers=2)
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), (TOKENS,), plan=llama_plan())
+    psi = _local_elements(model, llama_plan(), tp=2)
+    for rank in (0, 3):
+        mem = pm.memory(rank)
+        assert (mem.params, mem.grads, mem.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+        assert mem.params + mem.grads + mem.optimizer == 16 * psi
+        assert mem.activations > 0 and mem.transient > 0
+        assert mem.peak == mem.params + mem.grads + mem.optimizer + mem.activations + mem.transient
+    assert "peak" in str(pm.memory(0))
+
+
+def test_tied_weight_counts_once_per_rank() -> None:
+    model = llama(n_layers=2, tie_embeddings=True)
+    pm = fxpar.parallelize(model, fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,), plan=llama_plan())
+    assert pm.memory(0).params == 4 * _local_elements(model, llama_plan(), tp=2)
+
+
+def test_prediction_equals_local_storage_after_a_real_step() -> None:
+    results = default_pool().run(measured_memory, 4, llama, {"dp": 2, "tp": 2}, llama_plan(), TOKENS,
+                                 next_token_loss, timeout=300)
+    for r in results:
+        mem = r["predicted"]
+        assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
+        assert mem.activations == r["saved_per_microbatch"]  # one microbatch, one set in flight
+
+
+def test_pipeline_activations_are_the_sets_the_schedule_keeps_in_flight() -> None:
+    # 1f1b on pp=2 with 4 microbatches: stage 0 holds 2 activation sets at once (gpipe would hold 4)
+    plan = fxpar.Plan(stages=["layers.1"], schedule="1f1b", microbatches=4)
+    results = default_pool().run(measured_memory, 2, partial(llama, n_layers=2), {"pp": 2}, plan, TOKENS,
+                                 next_token_loss, timeout=300)
+    first = results[0]
+    assert first["in_flight"] == 2
+    assert first["predicted"].activations == 2 * first["saved_per_microbatch"]
+    for r in results:
+        mem = r["predicted"]
+        assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
