@@ -73,7 +73,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     keyword inputs); with a ``pp`` axis, a ``loss_fn``. Ensures: one Program per stage, each with
     ``notes["stage"]`` set when there are several; timings of capture and each pass.
     """
-    plan = as_plan(plan)
+    plan = as_plan(plan, mesh.axes)
     kind, keys, flat = _flatten_inputs(example_inputs)
     if kind == "dict":
         raise NotImplementedError("keyword (dict) example_inputs are not supported yet: pass a tuple of positional "

@@ -57,8 +57,12 @@ class Plan:
         return "\n".join(lines)
 
 
-def as_plan(plan: Plan | dict[str, str] | None) -> Plan:
-    """``None`` -> ``Plan()``; a plain dict is shorthand for ``Plan(tp=dict)``. Refuses what is not built yet."""
+def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = None) -> Plan:
+    """``None`` -> ``Plan()``; a plain dict is shorthand for ``Plan(tp=dict)``.
+
+    Refuses a field the mesh ``axes`` cannot serve (``zero`` without ``dp``, ``sequence_parallel``
+    without ``tp``), then what is not built yet.
+    """
     if plan is None:
         return Plan()
     if isinstance(plan, dict):
@@ -66,6 +70,8 @@ def as_plan(plan: Plan | dict[str, str] | None) -> Plan:
     if not isinstance(plan, Plan):
         raise PlanError("plan must be a fxpar.Plan or a dict of module-path globs to styles, "
                         f"got {type(plan).__name__}")
+    if axes is not None:
+        _check_axes(plan, axes)
     unbuilt = {"sequence_parallel": plan.sequence_parallel, "zero": plan.zero, "recompute": plan.recompute,
                "fp8": plan.fp8, "overlap": plan.overlap}
     for name, value in unbuilt.items():
@@ -79,6 +85,19 @@ def as_plan(plan: Plan | dict[str, str] | None) -> Plan:
     if plan.microbatches is not None and (not isinstance(plan.microbatches, int) or plan.microbatches < 1):
         raise PlanError(f"microbatches must be a positive int, got {plan.microbatches!r}")
     return plan
+
+
+def _check_axes(plan: Plan, axes: dict[str, int]) -> None:
+    """Plan fields that need a mesh axis the mesh does not have."""
+    have = ", ".join(f"{k}={v}" for k, v in axes.items())
+    if plan.zero not in (0, 1, 2, 3):
+        raise PlanError(f"zero must be 0, 1, 2 or 3, got {plan.zero!r}")
+    if plan.zero and axes.get("dp", 1) < 2:
+        raise PlanError(f"Plan(zero={plan.zero}) shards parameters, gradients and optimizer state over the dp "
+                        f"axis, but the mesh ({have}) has no dp axis of size > 1")
+    if plan.sequence_parallel and axes.get("tp", 1) < 2:
+        raise PlanError(f"Plan(sequence_parallel=True) shards activations over the tp axis, but the mesh ({have}) "
+                        "has no tp axis of size > 1")
 
 
 def resolve_plan(model: torch.nn.Module, plan: dict[str, str] | None) -> dict[str, str]:

@@ -48,6 +48,17 @@ def test_plan_unknown_style() -> None:
 # 2. mesh vs world ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("plan", "axes", "message"), [
+    (fxpar.Plan(zero=3), {"tp": 2}, r"Plan\(zero=3\) shards .* over the dp axis, but the mesh \(tp=2\) has no dp"),
+    (fxpar.Plan(zero=1), {"dp": 1, "tp": 2}, r"has no dp axis of size > 1"),
+    (fxpar.Plan(zero=4), {"dp": 2}, r"zero must be 0, 1, 2 or 3, got 4"),
+    (fxpar.Plan(sequence_parallel=True), {"dp": 2}, r"sequence_parallel=True\) shards activations over the tp"),
+])
+def test_plan_field_without_its_mesh_axis(plan: fxpar.Plan, axes: dict[str, int], message: str) -> None:
+    with pytest.raises(fxpar.PlanError, match=message):
+        fxpar.parallelize(mlp(), fxpar.Mesh(axes, fake=True), (torch.randn(8, 32),), plan=plan)
+
+
 def test_mesh_size_differs_from_world_size() -> None:
     messages = run_ranks(error_models.mesh_size_mismatch, 2, {"tp": 4}, timeout=60, collective_timeout=10)
     for msg in messages:
