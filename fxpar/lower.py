@@ -9,7 +9,9 @@ a forward graph and a backward graph. Collectives name their group symbolically
 
 from __future__ import annotations
 
+import keyword
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +76,13 @@ def group_name(axis: str, ranks: list[int] | tuple[int, ...]) -> str:
     return f"{axis}[{','.join(map(str, ranks))}]"
 
 
+def py_name(fqn: str) -> str:
+    """A Python identifier for a parameter path: ``layers.0.up.weight`` -> ``layers_0_up_weight``;
+    ``nn.Sequential``'s ``0.weight`` -> ``p_0_weight``."""
+    name = re.sub(r"\W", "_", fqn)
+    return name if name.isidentifier() and not keyword.iskeyword(name) else f"p_{name}"
+
+
 def local_shape(shape: torch.Size | tuple[int, ...], placements: Placements, sizes: tuple[int, ...]) -> list[int]:
     out = list(shape)
     for p, n in zip(placements, sizes, strict=True):
@@ -105,8 +114,8 @@ class _Lowerer:
         # a tied weight can appear as two placeholders; the second keeps its graph name
         self.local_names: dict[str, str] = {}
         for fqn, name in (*sig.params, *sig.buffers):
-            if fqn.replace(".", "_") not in self.local_names.values():
-                self.local_names[name] = fqn.replace(".", "_")
+            if py_name(fqn) not in self.local_names.values():
+                self.local_names[name] = py_name(fqn)
         self.local_names.update({name: f"input_{i}" for i, name in enumerate(sig.inputs)})
 
     # -- emission helpers -------------------------------------------------------------------

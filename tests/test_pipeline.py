@@ -74,6 +74,14 @@ def test_hf_qwen2_pp2_tp2_with_its_kv_cache_default_matches_single_device() -> N
                                                              microbatches=2), _tokens(vocab=128))
 
 
+def test_nn_sequential_split_by_count_and_by_path() -> None:
+    # parameter names that are not identifiers (0.weight) and blocks that are a Sequential's children
+    x = torch.randn(8, 16)
+    assert_equivalent(error_models.sequential, {"pp": 2}, fxpar.Plan(stages=2, microbatches=2), (x,), steps=2)
+    assert_equivalent(error_models.sequential, {"pp": 2, "dp": 2},
+                      fxpar.Plan(stages=["4"], schedule="zb-h1", microbatches=2), (x,), steps=2)
+
+
 def test_gpt2_tied_embeddings_across_stages() -> None:
     # wte is used by stage 0 (embedding) and stage 1 (lm_head): both hold it, its gradient is summed over pp
     pytest.importorskip("transformers")

@@ -134,6 +134,12 @@ def qwen2(layers: int = 4, vocab: int = 128, hidden: int = 64) -> nn.Module:
     return Qwen2ForCausalLM(cfg).eval()
 
 
+def sequential(width: int = 32) -> nn.Module:
+    """A plain ``nn.Sequential`` (parameters named ``0.weight``, ...): blocks are its children."""
+    return nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width),
+                         nn.GELU(), nn.Linear(width, 8))
+
+
 def next_token_loss(out: object, tokens: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each position's logits against the next token (HF outputs or a logits tensor)."""
     logits = getattr(out, "logits", out)
