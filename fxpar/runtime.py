@@ -26,6 +26,7 @@ from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.schedules import Schedule
+from fxpar.stages import node_cost
 
 
 class _RankStep(torch.autograd.Function):
@@ -127,6 +128,27 @@ class ParallelModule(torch.nn.Module):
         from fxpar.verify import step_ledger
 
         return step_ledger(self, rank)
+
+    def stage_costs(self) -> dict[tuple[str, int], float]:
+        """Cost-model seconds per (action kind, stage) for ``pm.schedule.simulate(costs=...)``.
+
+        F is the stage's forward estimate (max of FLOPs / peak and bytes / bandwidth per node, as the
+        stage split uses); a backward costs twice its forward, split evenly into B and W under zb-h1.
+        """
+        out: dict[tuple[str, int], float] = {}
+        for prog in self._compiled.stages:
+            info = prog.notes.get("stage")
+            if info is not None:
+                s, f = info.index, info.cost
+            else:  # one stage: its forward nodes of the joint graph
+                s, f = 0, sum(node_cost(n) for n in prog.graph.nodes
+                              if n.name in prog.provenance and prog.provenance[n.name].phase == "fwd")
+            out[("F", s)] = f
+            if self._compiled.schedule.has_w:
+                out[("B", s)] = out[("W", s)] = f
+            else:
+                out[("B", s)] = 2 * f
+        return out
 
     def memory(self, rank: int = 0) -> Memory:
         """Predicted bytes per rank for one step: ``.params .grads .optimizer .activations .transient .peak``."""

@@ -15,7 +15,7 @@ from functools import partial
 
 import pytest
 import torch
-from fxpar.schedules import Action
+from fxpar.schedules import Action, costs_from_trace, make_schedule
 
 import fxpar
 from fxpar.models.llama import llama, llama_plan
@@ -231,3 +231,17 @@ def test_dead_rank_mid_schedule_fails_the_others_within_the_timeout() -> None:
     assert elapsed < 60, f"took {elapsed:.1f}s to report a dead rank"
     assert 1 in info.value.ranks and "step completed" not in msg, msg
     assert 0 in info.value.ranks or re.search(r"ranks \[0\] were terminated", msg), msg
+
+
+def test_simulate_with_cost_model_and_measured_costs(tmp_path) -> None:  # noqa: ANN001
+    pm = fxpar.parallelize(llama(n_layers=4), fxpar.Mesh({"pp": 2}, fake=True), (_tokens(),),
+                           plan=fxpar.Plan(stages=2, schedule="zb-h1", microbatches=4), loss_fn=next_token_loss)
+    model_costs = pm.stage_costs()
+    assert set(model_costs) == {(k, s) for k in "FBW" for s in (0, 1)} and all(c > 0 for c in model_costs.values())
+    assert model_costs[("B", 1)] == model_costs[("W", 1)] == model_costs[("F", 1)]
+    assert 0 < pm.schedule.simulate(model_costs).makespan
+    path = str(tmp_path / "step.json")
+    default_pool().run(error_models.pipeline_step_with_trace, 4, path, timeout=300)  # 1f1b, 2 stages, m=2
+    measured = costs_from_trace(path)
+    assert set(measured) == {(k, s) for k in "FB" for s in (0, 1)} and all(c > 0 for c in measured.values())
+    assert 0 <= make_schedule("1f1b", 2, 2, 2).simulate(measured).bubble < 1
