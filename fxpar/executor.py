@@ -60,10 +60,13 @@ class StageRunner:
         self.forward = bind_groups(rp.forward, names)
         self.backward = bind_groups(rp.backward, names)
         self.reduce = bind_groups(rp.reduce_grads, names) if rp.reduce_grads is not None else None
+        self.gather = bind_groups(rp.gather_params, names) if rp.gather_params is not None else None
+        self.zero_fqns = [fqn for fqn, _ in prog.signature.params if fqn in rp.zero]
         sig = prog.signature
         self.num_outputs = sig.num_outputs
         self.tangent_outputs = [idx for _, idx in sig.tangents]
         self.param_fqns = [fqn for fqn, _ in sig.params]
+        self.zero_positions = [i for i, fqn in enumerate(self.param_fqns) if fqn in rp.zero]
         self.grad_fqn = {idx - sig.num_outputs: fqn for fqn, idx in sig.grads}
         self.input_grad_pos = {name: idx - sig.num_outputs for name, idx in sig.input_grads}
         self.stage = prog.notes.get("stage")

@@ -70,6 +70,11 @@ class RankProgram:
     deferred: list[tuple[int, str]] = field(default_factory=list)
     reduce_grads: fx.GraphModule | None = None
     stage: int = 0
+    # ZeRO: parameters stored as dp shards (fqn -> shard dim), the graph that all-gathers them once per
+    # step (shards in, this rank's tp-local parameters out, in ``zero`` order) and its ledger rows
+    zero: dict[str, int] = field(default_factory=dict)
+    gather_params: fx.GraphModule | None = None
+    gather_ledger: list[LedgerRow] = field(default_factory=list)
 
 
 def group_name(axis: str, ranks: list[int] | tuple[int, ...]) -> str:
@@ -117,6 +122,8 @@ class _Lowerer:
             if py_name(fqn) not in self.local_names.values():
                 self.local_names[name] = py_name(fqn)
         self.local_names.update({name: f"input_{i}" for i, name in enumerate(sig.inputs)})
+        self.zero: dict[str, int] = prog.notes.get("zero", {})
+        self.gather_rows: list[LedgerRow] = []
 
     # -- emission helpers -------------------------------------------------------------------
     def emit(self, target: Any, args: tuple, kwargs: dict | None = None, placements: Any = None,
@@ -188,29 +195,65 @@ class _Lowerer:
         if step.op == "all_gather":
             return self.gather(x, step.src.dim, n, g, step.axis, after, module)
         if step.op == "reduce_scatter":
-            d = step.dst.dim
-            x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
-            x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
-            self.record("reduce_scatter", step.axis, x0.meta["val"])
-            y = self.emit(c10d.reduce_scatter_tensor.default, (x0, "sum", n, g), placements=after, module=module,
-                          name=f"{x.name}_reducescatter")
-            y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_scattered")
-            return self.emit(aten.movedim.int, (y, 0, d), placements=after, module=module) if d else y
+            return self.scatter(x, step.dst.dim, n, g, step.axis, after, module)
         # all_to_all (shard dim i -> shard dim j), done as a gather then a local slice
         full = self.gather(x, step.src.dim, n, g, step.axis, None, module, ledger_op="all_to_all")
         d = step.dst.dim
         size = full.meta["val"].shape[d] // n
         return self.emit(aten.slice.Tensor, (full, d, idx * size, (idx + 1) * size), placements=after, module=module)
 
+    def scatter(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
+                contiguous: bool = False) -> fx.Node:
+        """Reduce-scatter ``x`` (a partial sum) over ``axis``, keeping this rank's slice of dim ``d``."""
+        x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
+        x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
+        self.record("reduce_scatter", axis, x0.meta["val"])
+        y = self.emit(c10d.reduce_scatter_tensor.default, (x0, "sum", n, g), placements=after, module=module,
+                      name=f"{x.name}_reducescatter")
+        y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_scattered")
+        return self._moved_back(y, d, after, module, contiguous)
+
     def gather(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
-               ledger_op: str = "all_gather") -> fx.Node:
+               ledger_op: str = "all_gather", contiguous: bool = False) -> fx.Node:
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
         y = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module,
                       name=f"{x.name}_allgather")
         y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_gathered")
         self.record(ledger_op, axis, y.meta["val"])
-        return self.emit(aten.movedim.int, (y, 0, d), placements=after, module=module) if d else y
+        return self._moved_back(y, d, after, module, contiguous)
+
+    def _moved_back(self, y: fx.Node, d: int, after: Any, module: str, contiguous: bool) -> fx.Node:
+        if not d:
+            return y
+        y = self.emit(aten.movedim.int, (y, 0, d), placements=after, module=module)
+        if contiguous:
+            y = self.emit(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, module=module)
+        return y
+
+    def gather_params_graph(self) -> fx.Graph | None:
+        """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters."""
+        if not self.zero:
+            return None
+        main, ledger, self.graph, self.phase = self.graph, self.ledger, fx.Graph(), "fwd"
+        self.ledger = []
+        dp = self.mesh.axes["dp"]
+        results = []
+        for fqn, name in self.prog.signature.params:
+            if fqn not in self.zero:
+                continue
+            d = self.zero[fqn]
+            val = self.prog.node(name).meta["val"]
+            shape = local_shape(val.shape, self.prog.placements[name], self.mesh.shape)
+            shape[d] //= dp
+            ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
+            with self.fake:
+                ph.meta["val"] = torch.empty(shape, dtype=val.dtype)
+            results.append(self.gather(ph, d, dp, self.group("dp"), "dp", None, fqn, contiguous=True))
+        self.graph.output(tuple(results))
+        graph, self.graph = self.graph, main
+        self.gather_rows, self.ledger = self.ledger, ledger
+        return graph
 
     # -- the walk ---------------------------------------------------------------------------
     def run(self) -> fx.Graph:
@@ -341,6 +384,10 @@ class _Lowerer:
         for pos, fqn, _ in self.deferred:
             ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
             ph.meta.update(outs[pos - num_outputs].meta)
+            if fqn in self.zero:  # ZeRO: each rank keeps the reduced shard of the gradient its parameter shard needs
+                results.append(self.scatter(ph, self.zero[fqn], self.mesh.axes["dp"], self.group("dp"), "dp", None,
+                                            fqn, contiguous=True))
+                continue
             self.record("all_reduce", "dp", ph.meta["val"])
             y = self.emit(c10d.all_reduce.default, (ph, "sum", self.group("dp")), module=fqn,
                           name=f"{ph.name}_allreduce")
@@ -375,11 +422,14 @@ def lower(prog: Program, rank: int) -> RankProgram:
     joint = fx.GraphModule(root, graph)
     fwd, bwd, saved = split_joint(joint, prog.signature.num_outputs, root)
     reduce_graph = lowerer.reduce_grads_graph(bwd)
+    gather_graph = lowerer.gather_params_graph()
     stage = prog.notes.get("stage")
     return RankProgram(rank, lowerer.coord, joint, fwd, bwd, saved, lowerer.ledger, lowerer.groups,
                        deferred=[(pos - prog.signature.num_outputs, fqn) for pos, fqn, _ in lowerer.deferred],
                        reduce_grads=fx.GraphModule(root, reduce_graph) if reduce_graph is not None else None,
-                       stage=stage.index if stage is not None else 0)
+                       stage=stage.index if stage is not None else 0, zero=dict(lowerer.zero),
+                       gather_params=fx.GraphModule(root, gather_graph) if gather_graph is not None else None,
+                       gather_ledger=lowerer.gather_rows)
 
 
 def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module

@@ -3,10 +3,13 @@
 ``pm.memory(rank)`` counts what one training step keeps resident on ``rank``:
 
 * ``params``: the local shards of every parameter the rank holds (each once, also when a tied
-  weight sits on two of its stages);
-* ``grads``: one gradient per trainable parameter, the same size as its shard;
-* ``optimizer``: Adam-like, two states per parameter (``exp_avg``, ``exp_avg_sq``), in the
-  parameter's dtype. torch's per-parameter ``step`` counters (one scalar each) are not counted;
+  weight sits on two of its stages); with ZeRO-1 (``Plan(zero=1)``) a dp-sharded parameter counts
+  its shard plus the tp-local copy gathered for the step (``4 Psi / N + 4 Psi`` in fp32);
+* ``grads``: one gradient per trainable parameter, the same size as its shard; with ZeRO-1 the
+  accumulated tp-local gradient plus its reduce-scattered shard in ``.grad`` (``4 Psi + 4 Psi / N``);
+* ``optimizer``: Adam-like, two states per parameter shard (``exp_avg``, ``exp_avg_sq``), in the
+  parameter's dtype (``8 Psi / N`` with ZeRO-1). torch's per-parameter ``step`` counters (one scalar
+  each) are not counted;
 * ``activations``: the tensors each forward saves for its backward, times the microbatches the
   schedule keeps in flight on this rank (stage by stage, the schedule's own order). A saved value
   that is a parameter, a buffer, an input or a view of one adds nothing; views of one saved tensor
@@ -71,6 +74,7 @@ def predict(pm: Any, rank: int) -> Memory:
     stages = c.stage_of_rank(rank)
     param_bytes: dict[str, int] = {}
     grad_bytes: dict[str, int] = {}
+    state_bytes: dict[str, int] = {}
     saved: dict[int, int] = {}
     transient = 0
     for s in stages:
@@ -78,14 +82,16 @@ def predict(pm: Any, rank: int) -> Memory:
         placeholders = [n for n in rp.forward.graph.nodes if n.op == "placeholder"]
         trainable = {fqn for fqn, _ in prog.signature.grads}
         for (fqn, _), node in zip(prog.signature.params, placeholders, strict=False):
-            param_bytes[fqn] = nbytes(node)
+            full = nbytes(node)
+            shard = full // pm.mesh.axes["dp"] if fqn in rp.zero else full
+            param_bytes[fqn] = shard + (full if fqn in rp.zero else 0)
+            state_bytes[fqn] = 2 * shard
             if fqn in trainable:
-                grad_bytes[fqn] = nbytes(node)
+                grad_bytes[fqn] = shard + (full if fqn in rp.zero else 0)
         saved[s] = saved_bytes(rp.forward, prog.signature.num_outputs)
         transient = max(transient, largest_live_set(rp.forward), largest_live_set(rp.backward))
-    params = sum(param_bytes.values())
-    return Memory(rank, params, sum(grad_bytes.values()), 2 * params, _activations_in_flight(c, rank, saved),
-                  transient)
+    return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
+                  _activations_in_flight(c, rank, saved), transient)
 
 
 def nbytes(node: fx.Node) -> int:

@@ -32,11 +32,13 @@ def passes() -> list[tuple[str, Pass]]:
     from fxpar.passes.annotate import annotate
     from fxpar.passes.insert_collectives import insert_collectives
     from fxpar.passes.propagate import propagate
+    from fxpar.passes.zero import zero
 
     return [
         ("annotate", annotate),  # plan + mesh -> placements of params, buffers, inputs
         ("propagate", propagate),  # sharding through every op of the joint graph (fxpar policy on DTensor rules)
         ("insert_collectives", insert_collectives),  # placement changes -> explicit collectives + ledger
+        ("zero", zero),  # zero>=1: which dim each parameter's dp shard is stored on (lowering gathers/scatters)
     ]
 
 

@@ -143,6 +143,8 @@ def print_rank_program(prog: Program, rp: RankProgram, verbosity: int = 1, extra
     if verbosity >= 2:
         plan = prog.notes.get("plan", {})
         parts.append("# plan    " + (", ".join(f"{k}: {v}" for k, v in sorted(plan.items())) or "(none)"))
+    if rp.gather_params is not None:  # ZeRO: once per step, before the first forward
+        parts.append(graph_source(f"gather_params{suffix}", rp.gather_params, axes, groups, verbosity))
     parts += [graph_source(f"forward{suffix}", rp.forward, axes, groups, verbosity),
               graph_source(f"backward{suffix}", rp.backward, axes, groups, verbosity)]
     if rp.reduce_grads is not None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
 from fxpar.executor import StageRunner, StepExecutor
@@ -34,6 +34,11 @@ class _RankStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, runner: StageRunner, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if runner.gather is not None:  # ZeRO: the parameters come in as dp shards
+            flat = list(flat)
+            for pos, full in zip(runner.zero_positions, runner.gather(*[flat[p] for p in runner.zero_positions]),
+                                 strict=True):
+                flat[pos] = full
         results = runner.forward(*flat)
         n = runner.num_outputs
         ctx.runner, ctx.saved = runner, results[n:]
@@ -78,6 +83,7 @@ class ParallelModule(torch.nn.Module):
         self._rank = rank
         self._tie_groups: list[tuple[str, Any]] = []
         self._stage_buffers: dict[int, list[torch.Tensor]] = {}
+        self._gathered: dict[str, torch.Tensor] = {}  # ZeRO: tp-local parameters gathered for the current step
         self.timings: dict[str, float] = dict(compiled.timings)
         if rank is not None and model is not None:
             self._materialize(model)
@@ -204,6 +210,9 @@ class ParallelModule(torch.nn.Module):
                 if p.is_meta:
                     raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
                 placements = [pl for pl, k in zip(prog.placements[name], keep, strict=True) if k] or [Replicate()]
+                if fqn in prog.notes.get("zero", {}):  # ZeRO: stored as this rank's dp shard
+                    dp_index = [a for a in mesh.names if a != "pp"].index("dp")
+                    placements[dp_index] = Shard(prog.notes["zero"][fqn])
                 dt = distribute_tensor(p.detach().to(device), param_mesh, placements)
                 _register_path(self, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
             self._stage_buffers[s] = [buffers[fqn].detach().to(device) for fqn, _ in prog.signature.buffers]
@@ -213,8 +222,22 @@ class ParallelModule(torch.nn.Module):
         self._tie_groups = _tie_groups(self._compiled, self._rank)
 
     def local_param(self, fqn: str) -> torch.Tensor:
+        """What the rank's graphs compute with: the local shard, or (ZeRO, inside ``pm.step``) the gathered one."""
+        if fqn in self._gathered:
+            return self._gathered[fqn]
         p = self.get_parameter(fqn)
         return p.to_local() if isinstance(p, DTensor) else p
+
+    def gather_params(self) -> None:
+        """ZeRO: all-gather every dp-sharded parameter this rank holds (its stages' ``gather_params`` graphs)."""
+        for runner in self._runners.values():
+            if runner.gather is not None and not all(f in self._gathered for f in runner.zero_fqns):
+                shards = [self.get_parameter(f).to_local() for f in runner.zero_fqns]
+                self._gathered.update(zip(runner.zero_fqns, runner.gather(*shards), strict=True))
+
+    def release_params(self) -> None:
+        """Drop the gathered copies (after a step: the optimizer updates the shards)."""
+        self._gathered.clear()
 
     def _buffers_of(self, stage: int) -> list[torch.Tensor]:
         return self._stage_buffers[stage]
@@ -257,7 +280,12 @@ class ParallelModule(torch.nn.Module):
         executor = self._executor_for_tests()
         mb_inputs = split_microbatches(flat, c.microbatches)
         mb_targets = split_microbatches(targets, c.microbatches) if targets is not None else [None] * c.microbatches
-        return executor.run(mb_inputs, mb_targets, trace)
+        with torch.no_grad():
+            self.gather_params()
+        try:
+            return executor.run(mb_inputs, mb_targets, trace)
+        finally:
+            self.release_params()
 
     def _executor_for_tests(self) -> StepExecutor:
         """The rank's step executor (built on first use; fault-injection tests wrap its ``dispatch``)."""

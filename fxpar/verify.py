@@ -111,6 +111,10 @@ def rank_events(pm: Any, rank: int, actions: list[Action] | None = None) -> list
     c = pm._compiled
     actions = actions if actions is not None else c.schedule.actions[c.pp_coord(rank)]
     out: list[Event] = []
+    for s in pm.stages_of(rank):  # ZeRO: parameters gathered once, before the first action
+        rp = pm.rank_program(rank, s)
+        if rp.gather_params is not None:
+            out += _collectives(rp.gather_params, rp, f"stage {s} gather_params")
     for a in actions:
         if a.is_compute:
             rp = pm.rank_program(rank, a.stage)
@@ -232,10 +236,12 @@ def _collective(events: dict[int, list[Event]], heads: dict[int, int], r: int, e
 
 
 def step_ledger(pm: Any, rank: int) -> list[LedgerRow]:
-    """The ledger of one ``pm.step`` on ``rank``: every microbatch's collectives and transfers in schedule order,
-    then the once-per-step gradient reductions (dp, then tied weights over pp)."""
+    """The ledger of one ``pm.step`` on ``rank``: ZeRO's parameter all-gather, every microbatch's collectives and
+    transfers in schedule order, then the once-per-step gradient reductions (dp, then tied weights over pp)."""
     c = pm._compiled
     rows: list[LedgerRow] = []
+    for s in pm.stages_of(rank):  # ZeRO: the once-per-step parameter all-gather comes first
+        rows += [_at(row, s, None) for row in pm.rank_program(rank, s).gather_ledger]
     for a in c.schedule.actions[c.pp_coord(rank)]:
         if a.kind in ("F", "B"):
             rp = pm.rank_program(rank, a.stage)

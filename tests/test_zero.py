@@ -1,0 +1,84 @@
+"""ZeRO-1 on dp (``Plan(zero=1)``): equivalence on real gloo ranks, the ledger against the optimum, memory."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.models.llama import llama, llama_plan
+from fxpar.testing import assert_equivalent
+from fxpar.testing.error_models import next_token_loss
+
+TOKENS = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_llama():  # noqa: ANN202
+    pytest.importorskip("transformers")
+    from fxpar.models.hf import hf_llama
+
+    return partial(hf_llama, layers=2)
+
+
+def _check(model_fn, axes: dict[str, int], plan: fxpar.Plan) -> None:  # noqa: ANN001
+    assert_equivalent(model_fn, axes, plan, (TOKENS,), steps=3, loss_fn=next_token_loss, targets=TOKENS)
+
+
+def test_zero1_hf_llama_dp4_matches_single_device() -> None:
+    _check(_hf_llama(), {"dp": 4}, fxpar.Plan(zero=1))
+
+
+def test_zero1_with_tp_matches_single_device() -> None:
+    # tp-sharded weights are dp-sharded on their other dim; a tp-sharded 1-D bias would stay DDP
+    _check(partial(llama, n_layers=2, vocab_size=128), {"dp": 2, "tp": 2}, fxpar.Plan(tp=llama_plan(), zero=1))
+
+
+def test_zero1_with_pipeline_stages_matches_single_device() -> None:
+    # each stage shards its own parameters; gathered once per step, before the first microbatch
+    _check(partial(llama, n_layers=2, vocab_size=128), {"pp": 2, "dp": 2},
+           fxpar.Plan(zero=1, microbatches=2, schedule="zb-h1"))
+
+
+def test_zero1_without_pm_step_through_autograd() -> None:
+    # pm(x) + loss.backward(): the shards go through the autograd function, gradients come back as shards
+    assert_equivalent(partial(llama, n_layers=1, vocab_size=128), {"dp": 2}, fxpar.Plan(zero=1), (TOKENS,), steps=3)
+
+
+def test_zero1_ledger_is_the_optimum_and_memory_the_formula() -> None:
+    # optimum per step: all-gather Psi + reduce-scatter Psi (Psi = parameter bytes), no dp all-reduce
+    model = _hf_llama()()
+    dp = 4
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": dp}, fake=True), (TOKENS,), plan=fxpar.Plan(zero=1))
+    psi = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = [r for r in pm.ledger(1) if r.axis == "dp"]
+    by_op = {op: sum(r.bytes for r in rows if r.op == op) for op in {r.op for r in rows}}
+    assert by_op == {"all_gather": psi, "reduce_scatter": psi}
+    assert all(r.phase == "fwd" for r in rows if r.op == "all_gather")
+    params = dict(model.named_parameters())
+    assert len([r for r in rows if r.op == "all_gather"]) == len(params)
+    mem = pm.memory(1)
+    assert mem.optimizer == 2 * psi // dp  # 8 Psi / N in elements of 4 bytes
+    assert mem.params == psi + psi // dp and mem.grads == psi + psi // dp  # working copies + shards
+    assert "def gather_params" in pm.program(1)
+
+
+def test_zero1_ledger_with_tp_replicates_what_cannot_shard() -> None:
+    model = llama(n_layers=2)
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), (TOKENS,),
+                           plan=fxpar.Plan(tp=llama_plan(), zero=1))
+    rows = [r for r in pm.ledger(0) if r.axis == "dp"]
+    gathered = sum(r.bytes for r in rows if r.op == "all_gather")
+    assert gathered == sum(r.bytes for r in rows if r.op == "reduce_scatter") > 0
+    local_psi = sum(p.numel() for p in model.parameters()) * 4  # every weight of the bundled Llama is 2-D or a norm
+    tp_sharded = sum(p.numel() * 4 // 2 for n, p in model.named_parameters()
+                     if any(k in n for k in (".q.", ".k.", ".v.", ".o.", ".gate.", ".up.", ".down.")))
+    tp_local = local_psi - tp_sharded
+    assert gathered == tp_local and not [r for r in rows if r.op == "all_reduce"]
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_2_and_3_are_refused_until_built(zero: int) -> None:
+    with pytest.raises(fxpar.PlanError, match=rf"Plan\(zero={zero}\) is not implemented"):
+        fxpar.parallelize(llama(n_layers=1), fxpar.Mesh({"dp": 2}, fake=True), (TOKENS,), plan=fxpar.Plan(zero=zero))
