@@ -107,6 +107,7 @@ class StepExecutor:
         compiled = pm._compiled
         self.compiled, self.mesh, self.rank = compiled, compiled.mesh, pm._rank
         self.m = compiled.microbatches
+        self.reduce_each_microbatch = compiled.plan.zero >= 2  # ZeRO-2: reduce-scatter after every backward
         self.n_stages = len(compiled.stages)
         self.recv_meta = {s: boundary_meta(p, self.mesh.shape) for s, p in enumerate(compiled.stages) if s > 0}
 
@@ -218,7 +219,14 @@ class StepExecutor:
             st.input_grads[(s, mb)] = grads
 
     def accumulate(self, r: StageRunner, s: int, results: Any, st: StepState) -> None:
+        """Add one microbatch's parameter gradients to the stage's sums. ZeRO-2 reduces them first (over dp,
+        into shards), so a whole gradient never outlives the backward that produced it."""
         acc = st.grads[s]
+        if self.reduce_each_microbatch and r.reduce is not None:
+            results = list(results)
+            positions = [pos for pos, _ in r.rp.deferred]
+            for pos, g in zip(positions, r.reduce(*[results[p] for p in positions]), strict=True):
+                results[pos] = g
         for pos, fqn in r.grad_fqn.items():
             g = results[pos]
             if g is not None:
@@ -254,7 +262,7 @@ class StepExecutor:
         total: dict[str, torch.Tensor] = {}
         for s in sorted(self.runners):
             r, acc = self.runners[s], st.grads[s]
-            if r.reduce is not None:
+            if r.reduce is not None and not self.reduce_each_microbatch:
                 names = [fqn for _, fqn in r.rp.deferred]
                 reduced = r.reduce(*[acc[fqn] for fqn in names])
                 acc.update(zip(names, reduced, strict=True))

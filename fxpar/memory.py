@@ -4,11 +4,13 @@
 
 * ``params``: the local shards of every parameter the rank holds (each once, also when a tied
   weight sits on two of its stages); with ZeRO-1 (``Plan(zero=1)``) a dp-sharded parameter counts
-  its shard plus the tp-local copy gathered for the step (``4 Psi / N + 4 Psi`` in fp32);
+  its shard plus the tp-local copy gathered for the step (``4 Psi / N + 4 Psi`` in fp32; also ZeRO-2);
 * ``grads``: one gradient per trainable parameter, the same size as its shard; with ZeRO-1 the
   accumulated tp-local gradient plus its reduce-scattered shard in ``.grad`` (``4 Psi + 4 Psi / N``);
+  with ZeRO-2 only the shard (``4 Psi / N``): one backward's whole gradients are reduce-scattered
+  right away and counted in ``transient``;
 * ``optimizer``: Adam-like, two states per parameter shard (``exp_avg``, ``exp_avg_sq``), in the
-  parameter's dtype (``8 Psi / N`` with ZeRO-1). torch's per-parameter ``step`` counters (one scalar
+  parameter's dtype (``8 Psi / N`` with ZeRO-1 and 2). torch's per-parameter ``step`` counters (one scalar
   each) are not counted;
 * ``activations``: the tensors each forward saves for its backward, times the microbatches the
   schedule keeps in flight on this rank (stage by stage, the schedule's own order). A saved value
@@ -75,6 +77,7 @@ def predict(pm: Any, rank: int) -> Memory:
     param_bytes: dict[str, int] = {}
     grad_bytes: dict[str, int] = {}
     state_bytes: dict[str, int] = {}
+    whole_grads: dict[int, int] = {}  # per stage: bytes of one backward's unreduced gradients of dp shards
     saved: dict[int, int] = {}
     transient = 0
     for s in stages:
@@ -86,10 +89,12 @@ def predict(pm: Any, rank: int) -> Memory:
             shard = full // pm.mesh.axes["dp"] if fqn in rp.zero else full
             param_bytes[fqn] = shard + (full if fqn in rp.zero else 0)
             state_bytes[fqn] = 2 * shard
-            if fqn in trainable:
-                grad_bytes[fqn] = shard + (full if fqn in rp.zero else 0)
+            if fqn in trainable:  # ZeRO-1 keeps the summed whole gradient until the step's end; ZeRO-2 does not
+                grad_bytes[fqn] = shard + (full if fqn in rp.zero and c.plan.zero == 1 else 0)
+                whole_grads[s] = whole_grads.get(s, 0) + (full if fqn in rp.zero else 0)
         saved[s] = saved_bytes(rp.forward, prog.signature.num_outputs)
-        transient = max(transient, largest_live_set(rp.forward), largest_live_set(rp.backward))
+        backward_end = largest_live_set(rp.backward) + (whole_grads.get(s, 0) if c.plan.zero >= 2 else 0)
+        transient = max(transient, largest_live_set(rp.forward), backward_end)
     return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
                   _activations_in_flight(c, rank, saved), transient)
 

@@ -115,20 +115,28 @@ def rank_events(pm: Any, rank: int, actions: list[Action] | None = None) -> list
         rp = pm.rank_program(rank, s)
         if rp.gather_params is not None:
             out += _collectives(rp.gather_params, rp, f"stage {s} gather_params")
+    each_mb = c.plan.zero >= 2  # ZeRO-2 reduces after every backward, not once per step
     for a in actions:
         if a.is_compute:
             rp = pm.rank_program(rank, a.stage)
             for gm, name in _graphs_of(pm, rp, a):
                 out += _collectives(gm, rp, f"{a} {name}")
+            if each_mb and a.kind == _last_backward(pm) and rp.reduce_grads is not None:
+                out += _collectives(rp.reduce_grads, rp, f"{a} reduce_grads")
         else:
             out += _transfers(pm, rank, a)
     for s in pm.stages_of(rank):
         rp = pm.rank_program(rank, s)
-        if rp.reduce_grads is not None:
+        if rp.reduce_grads is not None and not each_mb:
             out += _collectives(rp.reduce_grads, rp, f"stage {s} reduce_grads")
     out += _tie_events(pm, rank)
     out.append(_loss_event(pm))
     return out
+
+
+def _last_backward(pm: Any) -> str:
+    """The action that produces parameter gradients: W when the backward is split, else B."""
+    return "W" if pm.schedule.has_w else "B"
 
 
 def _graphs_of(pm: Any, rp: RankProgram, a: Action) -> list[tuple[fx.GraphModule, str]]:
@@ -242,19 +250,22 @@ def step_ledger(pm: Any, rank: int) -> list[LedgerRow]:
     rows: list[LedgerRow] = []
     for s in pm.stages_of(rank):  # ZeRO: the once-per-step parameter all-gather comes first
         rows += [_at(row, s, None) for row in pm.rank_program(rank, s).gather_ledger]
+    each_mb = c.plan.zero >= 2
     for a in c.schedule.actions[c.pp_coord(rank)]:
+        rp = pm.rank_program(rank, a.stage) if a.is_compute else None
         if a.kind in ("F", "B"):
-            rp = pm.rank_program(rank, a.stage)
             phase = "fwd" if a.kind == "F" else "bwd"
             main = rp.ledger[: len(rp.ledger) - len(rp.deferred)]
             rows += [_at(row, a.stage, a.mb) for row in main if row.phase == phase]
+        if each_mb and a.kind == _last_backward(pm):  # ZeRO-2: this microbatch's gradients, reduced now
+            rows += [_at(row, a.stage, a.mb) for row in rp.ledger[len(rp.ledger) - len(rp.deferred):]]
         elif a.is_comm:
             for e in _transfers(pm, rank, a):
                 peer = e.group[1] if a.is_send else e.group[0]
                 nbytes = int(torch.Size(e.shape).numel()) * e.dtype.itemsize
                 rows.append(LedgerRow("fwd" if e.tag[0] == "F" else "bwd", e.op, "pp", e.shape, e.dtype, nbytes,
                                       e.group, a.stage, a.mb, peer))
-    for s in pm.stages_of(rank):
+    for s in pm.stages_of(rank) if not each_mb else []:
         rp = pm.rank_program(rank, s)
         rows += [_at(row, s, None) for row in rp.ledger[len(rp.ledger) - len(rp.deferred):]]
     for e in _tie_events(pm, rank):
