@@ -57,3 +57,49 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
             "grads": storage_bytes([_local(p.grad) for p in pm.parameters()]), "optimizer": storage_bytes(state),
             "saved_per_microbatch": saved_bytes,
             "in_flight": pm.schedule.peak_in_flight()[pm._compiled.pp_coord(rank)]}
+
+
+def _train(pm: Any, opt: Any, mesh: Any, tokens: torch.Tensor, steps: int) -> list[float]:
+    rank = dist.get_rank()
+    dp = mesh.axes.get("dp", 1)
+    local = tokens.chunk(dp)[mesh.coord(rank)[mesh.axis_index("dp")]] if dp > 1 else tokens
+    losses = []
+    for _ in range(steps):
+        losses.append(pm.step(local, local).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def checkpoint_round(folder: str, save: bool, model_fn: Any, mesh_axes: dict[str, int], plan: Any,
+                     tokens: torch.Tensor, loss_fn: Any, steps_before: int, steps_after: int) -> dict[str, Any]:
+    """Rank body: build ``pm`` on ``mesh_axes``; either train ``steps_before`` AdamW steps and DCP-save the model and
+    optimizer state to ``folder`` (``save``), or DCP-load them from ``folder``; then train ``steps_after`` steps.
+
+    Returns the full parameter tensors right after the save or load, and the losses of the steps after it.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import fxpar
+
+    torch.manual_seed(0)
+    mesh = fxpar.Mesh(mesh_axes)
+    pm = fxpar.parallelize(model_fn(), mesh, (tokens,), plan=plan, loss_fn=loss_fn, example_targets=tokens)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    if save:
+        _train(pm, opt, mesh, tokens, steps_before)
+        dcp.save({"model": get_model_state_dict(pm), "optim": get_optimizer_state_dict(pm, opt)},
+                 checkpoint_id=folder)
+    else:
+        state = {"model": get_model_state_dict(pm), "optim": get_optimizer_state_dict(pm, opt)}
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(pm, state["model"])
+        set_optimizer_state_dict(pm, opt, state["optim"])
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in pm.named_parameters()}
+    return {"params": full, "losses": _train(pm, opt, mesh, tokens, steps_after)}
