@@ -61,7 +61,7 @@ class StageRunner:
         self.backward = bind_groups(rp.backward, names)
         self.reduce = bind_groups(rp.reduce_grads, names) if rp.reduce_grads is not None else None
         self.gather = bind_groups(rp.gather_params, names) if rp.gather_params is not None else None
-        self.zero_fqns = [fqn for fqn, _ in prog.signature.params if fqn in rp.zero]
+        self.zero_fqns = list(dict.fromkeys(fqn for fqn, _ in prog.signature.params if fqn in rp.zero))
         sig = prog.signature
         self.num_outputs = sig.num_outputs
         self.tangent_outputs = [idx for _, idx in sig.tangents]

@@ -231,17 +231,23 @@ class _Lowerer:
             y = self.emit(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, module=module)
         return y
 
+    def _zero_params(self) -> list[tuple[str, str]]:
+        """(fqn, graph name) of each dp-sharded parameter, once per fqn (a tied weight can appear twice)."""
+        first: dict[str, str] = {}
+        for fqn, name in self.prog.signature.params:
+            if fqn in self.zero:
+                first.setdefault(fqn, name)
+        return list(first.items())
+
     def gather_params_graph(self) -> fx.Graph | None:
-        """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters."""
+        """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters (fqn order)."""
         if not self.zero:
             return None
         main, ledger, self.graph, self.phase = self.graph, self.ledger, fx.Graph(), "fwd"
         self.ledger = []
         dp = self.mesh.axes["dp"]
         results = []
-        for fqn, name in self.prog.signature.params:
-            if fqn not in self.zero:
-                continue
+        for fqn, name in self._zero_params():
             d = self.zero[fqn]
             val = self.prog.node(name).meta["val"]
             shape = local_shape(val.shape, self.prog.placements[name], self.mesh.shape)

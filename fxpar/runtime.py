@@ -34,11 +34,13 @@ class _RankStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, runner: StageRunner, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if runner.gather is not None:  # ZeRO: the parameters come in as dp shards
+        if runner.gather is not None:  # ZeRO: the parameters come in as dp shards (a tied one maybe twice)
             flat = list(flat)
-            for pos, full in zip(runner.zero_positions, runner.gather(*[flat[p] for p in runner.zero_positions]),
-                                 strict=True):
-                flat[pos] = full
+            first = {runner.param_fqns[p]: p for p in reversed(runner.zero_positions)}
+            shards = [flat[first[fqn]] for fqn in runner.zero_fqns]
+            full = dict(zip(runner.zero_fqns, runner.gather(*shards), strict=True))
+            for pos in runner.zero_positions:
+                flat[pos] = full[runner.param_fqns[pos]]
         results = runner.forward(*flat)
         n = runner.num_outputs
         ctx.runner, ctx.saved = runner, results[n:]

@@ -194,11 +194,17 @@ def _divides(style: str, fan_in: int, fan_out: int, tp: int) -> bool:
 
 @st.composite
 def cases(draw: st.DrawFn, kind: str | None = None, max_world: int = 8) -> tuple[ModelSpec, dict[str, int], Any, int]:
-    """A whole property-test case: (spec, mesh, plan, batch); the batch divides ``dp``."""
+    """A whole property-test case: (spec, mesh, plan, batch); the batch divides ``dp``. With a dp axis the
+    plan may be a ``fxpar.Plan`` with ``zero`` 1 or 2 (drawn last, so earlier draws keep their order)."""
     mesh = draw(meshes(max_world))
     spec = draw(models(kind))
     plan = draw(plans(spec, mesh))
     batch = mesh.get("dp", 1) * draw(st.sampled_from([2, 1, 3]))
+    zero = draw(st.sampled_from([0, 1, 2])) if mesh.get("dp", 1) > 1 else 0
+    if zero:
+        import fxpar
+
+        return spec, mesh, fxpar.Plan(tp=plan or {}, zero=zero), batch
     return spec, mesh, plan, batch
 
 
@@ -208,7 +214,8 @@ PIPELINE_MESHES = ({"pp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "tp": 2})
 @st.composite
 def pipeline_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], Any, int]:
     """A pipelined case: a Llama-style decoder of 2-4 layers on a pp=2 mesh (alone, with dp or with tp), a
-    random schedule, microbatch count and (with tp) tensor-parallel plan; (spec, mesh, ``fxpar.Plan``, batch)."""
+    random schedule, microbatch count, (with tp) tensor-parallel plan and (with dp) ZeRO level;
+    (spec, mesh, ``fxpar.Plan``, batch)."""
     import fxpar
 
     mesh = draw(st.sampled_from(PIPELINE_MESHES))
@@ -219,4 +226,5 @@ def pipeline_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], An
     m = draw(st.sampled_from([2, 4] if schedule == "interleaved-1f1b" else [1, 2, 4]))
     tp = draw(plans(spec, {"tp": 2})) if "tp" in mesh else None
     batch = mesh.get("dp", 1) * m * draw(st.sampled_from([1, 2]))
-    return spec, mesh, fxpar.Plan(tp=tp or {}, stages=stages, schedule=schedule, microbatches=m), batch
+    zero = draw(st.sampled_from([0, 1, 2])) if "dp" in mesh else 0
+    return spec, mesh, fxpar.Plan(tp=tp or {}, stages=stages, schedule=schedule, microbatches=m, zero=zero), batch
