@@ -140,8 +140,10 @@ def mlp_specs() -> st.SearchStrategy[MLPSpec]:
 def transformer_specs(draw: st.DrawFn, max_layers: int = 2, min_hidden: int = 1) -> TransformerSpec:
     """Llama-style decoders: MHA or GQA (kv heads divide heads), odd vocabularies and widths.
 
-    ``min_hidden`` bounds ``heads * head_dim`` from below: a LayerNorm over 2 features is so ill-conditioned
-    that the single-device model's own batch-2 and batch-1 outputs differ by 4e-5 (relative) in fp32.
+    ``min_hidden`` bounds ``heads * head_dim`` from below: a norm over 2 features is so ill-conditioned that
+    the single-device model's own batch-2 and batch-1 outputs differ by up to 4e-5 (LayerNorm) or 5e-6
+    (RMSNorm) relative in fp32, beyond what any fp32 tolerance can tell from a compiler bug. The default
+    (1) keeps the suite's seeded example stream as it was; newer strategies ask for 8.
     """
     heads = draw(st.sampled_from([2, 4, 1, 3, 6]))
     kv_heads = draw(st.sampled_from([d for d in (1, 2, 3, 4, 6) if heads % d == 0]))
@@ -194,18 +196,29 @@ def _divides(style: str, fan_in: int, fan_out: int, tp: int) -> bool:
 
 @st.composite
 def cases(draw: st.DrawFn, kind: str | None = None, max_world: int = 8) -> tuple[ModelSpec, dict[str, int], Any, int]:
-    """A whole property-test case: (spec, mesh, plan, batch); the batch divides ``dp``. With a dp axis the
-    plan may be a ``fxpar.Plan`` with ``zero`` 1 or 2 (drawn last, so earlier draws keep their order)."""
+    """A whole property-test case: (spec, mesh, plan, batch); the batch divides ``dp``."""
     mesh = draw(meshes(max_world))
     spec = draw(models(kind))
     plan = draw(plans(spec, mesh))
     batch = mesh.get("dp", 1) * draw(st.sampled_from([2, 1, 3]))
-    zero = draw(st.sampled_from([0, 1, 2])) if mesh.get("dp", 1) > 1 else 0
-    if zero:
-        import fxpar
-
-        return spec, mesh, fxpar.Plan(tp=plan or {}, zero=zero), batch
     return spec, mesh, plan, batch
+
+
+ZERO_MESHES = ({"dp": 2}, {"dp": 4}, {"dp": 2, "tp": 2})
+
+
+@st.composite
+def zero_cases(draw: st.DrawFn) -> tuple[ModelSpec, dict[str, int], Any, int]:
+    """ZeRO-1/2 on a dp mesh (alone, dp=4, or with tp=2): an MLP or a decoder (hidden >= 8, see
+    ``transformer_specs``), a random tp plan, one or two microbatches; (spec, mesh, ``fxpar.Plan``, batch)."""
+    import fxpar
+
+    mesh = draw(st.sampled_from(ZERO_MESHES))
+    spec = draw(st.one_of(mlp_specs(), transformer_specs(min_hidden=8)))
+    tp = draw(plans(spec, mesh)) if "tp" in mesh else None
+    m = draw(st.sampled_from([1, 2]))
+    batch = mesh["dp"] * m * draw(st.sampled_from([1, 2]))
+    return spec, mesh, fxpar.Plan(tp=tp or {}, zero=draw(st.sampled_from([1, 2])), microbatches=m), batch
 
 
 PIPELINE_MESHES = ({"pp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "tp": 2})
