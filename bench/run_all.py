@@ -1,4 +1,4 @@
-"""``make bench``: the four benchmarks, one after the other, each writing its JSON and README table.
+"""``make bench``: the five benchmarks, one after the other, each writing its JSON and README table.
 
     .venv/bin/python bench/run_all.py                    # full run (about 10-15 min on 2 cores)
     .venv/bin/python bench/run_all.py --layers 2,8       # quick: compile time at 2 and 8 layers only
@@ -6,7 +6,8 @@
 1. ``ledger_optimum.py``: communication ledger vs analytic optimum, every supported plan (compile-only);
 2. ``compile_time.py``: parallelize vs bare export and joint capture at Llama-3-70B widths;
 3. ``compare_dtensor.py``: step time and collectives vs hand-written DTensor on real gloo ranks;
-4. ``pipeline.py``: pipeline bubble from real traces vs the simulator, and fxpar vs torch.distributed.pipelining.
+4. ``pipeline.py``: pipeline bubble from real traces vs the simulator, and fxpar vs torch.distributed.pipelining;
+5. ``zero.py``: fxpar zero=0 vs DDP and zero=1/2 vs FSDP2: bytes vs optimum, memory per rank, step time.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def commands(layers: str, repeats: int) -> list[list[str]]:
     return [[py, os.path.join(HERE, "ledger_optimum.py")],
             [py, os.path.join(HERE, "compile_time.py"), "--layers", layers],
             [py, os.path.join(HERE, "compare_dtensor.py"), "--repeats", str(repeats)],
-            [py, os.path.join(HERE, "pipeline.py")]]
+            [py, os.path.join(HERE, "pipeline.py")],
+            [py, os.path.join(HERE, "zero.py")]]
 
 
 def main() -> None:
