@@ -12,7 +12,7 @@ from __future__ import annotations
 import keyword
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -97,12 +97,27 @@ def local_shape(shape: torch.Size | tuple[int, ...], placements: Placements, siz
     return out
 
 
+class _LazyEnv(dict):
+    """Local values by global node name. A ZeRO-3 parameter's gathered value is registered in ``lazy``
+    and emitted where the walk first asks for it, so each all-gather sits right before its first use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lazy: dict[str, Any] = {}
+
+    def __missing__(self, key: str) -> fx.Node:
+        if key not in self.lazy:
+            raise KeyError(key)
+        value = self[key] = self.lazy.pop(key)()
+        return value
+
+
 class _Lowerer:
     def __init__(self, prog: Program, rank: int) -> None:
         self.prog, self.rank, self.mesh = prog, rank, prog.mesh
         self.coord = self.mesh.coord(rank)
         self.graph = fx.Graph()
-        self.env: dict[str, fx.Node] = {}
+        self.env = _LazyEnv()
         self.cache: dict[tuple[str, Placements], fx.Node] = {}
         self.ledger: list[LedgerRow] = []
         self.groups: dict[str, tuple[int, ...]] = {}
@@ -123,6 +138,8 @@ class _Lowerer:
                 self.local_names[name] = py_name(fqn)
         self.local_names.update({name: f"input_{i}" for i, name in enumerate(sig.inputs)})
         self.zero: dict[str, int] = prog.notes.get("zero", {})
+        self.zero3 = prog.notes.get("zero_level", 0) == 3
+        self.param_fqn = {name: fqn for fqn, name in sig.params}
         self.gather_rows: list[LedgerRow] = []
 
     # -- emission helpers -------------------------------------------------------------------
@@ -142,10 +159,12 @@ class _Lowerer:
         self.groups[name] = ranks
         return name
 
-    def record(self, op: str, axis: str, val: torch.Tensor) -> None:
+    def record(self, op: str, axis: str, val: torch.Tensor, node: fx.Node) -> None:
+        """Add a ledger row for the collective ``node`` (kept in its meta: a recomputed copy re-issues it)."""
         ranks = tuple(self.mesh.group_ranks(self.rank, axis))
-        self.ledger.append(LedgerRow(self.phase, op, axis, tuple(val.shape), val.dtype,
-                                     val.numel() * val.element_size(), ranks))
+        row = LedgerRow(self.phase, op, axis, tuple(val.shape), val.dtype, val.numel() * val.element_size(), ranks)
+        self.ledger.append(row)
+        node.meta["ledger_row"] = row
 
     # -- redistribution ------------------------------------------------------------------
     def redistribute(self, producer: str, dst: Placements, steps: tuple[Step, ...], module: str) -> fx.Node:
@@ -188,9 +207,9 @@ class _Lowerer:
             size = x.meta["val"].shape[d] // n
             return self.emit(aten.slice.Tensor, (x, d, idx * size, (idx + 1) * size), placements=after, module=module)
         if step.op == "all_reduce":
-            self.record("all_reduce", step.axis, x.meta["val"])
             y = self.emit(c10d.all_reduce.default, (x, "sum", g), placements=after, module=module,
                           name=f"{x.name}_allreduce")
+            self.record("all_reduce", step.axis, x.meta["val"], y)
             return self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_reduced")
         if step.op == "all_gather":
             return self.gather(x, step.src.dim, n, g, step.axis, after, module)
@@ -207,9 +226,9 @@ class _Lowerer:
         """Reduce-scatter ``x`` (a partial sum) over ``axis``, keeping this rank's slice of dim ``d``."""
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
-        self.record("reduce_scatter", axis, x0.meta["val"])
         y = self.emit(c10d.reduce_scatter_tensor.default, (x0, "sum", n, g), placements=after, module=module,
                       name=f"{x.name}_reducescatter")
+        self.record("reduce_scatter", axis, x0.meta["val"], y)
         y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_scattered")
         return self._moved_back(y, d, after, module, contiguous)
 
@@ -217,10 +236,10 @@ class _Lowerer:
                ledger_op: str = "all_gather", contiguous: bool = False) -> fx.Node:
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
-        y = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module,
+        c = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module,
                       name=f"{x.name}_allgather")
-        y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_gathered")
-        self.record(ledger_op, axis, y.meta["val"])
+        y = self.emit(c10d.wait_tensor.default, (c,), placements=after, module=module, name=f"{x.name}_gathered")
+        self.record(ledger_op, axis, y.meta["val"], c)
         return self._moved_back(y, d, after, module, contiguous)
 
     def _moved_back(self, y: fx.Node, d: int, after: Any, module: str, contiguous: bool) -> fx.Node:
@@ -241,7 +260,7 @@ class _Lowerer:
 
     def gather_params_graph(self) -> fx.Graph | None:
         """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters (fqn order)."""
-        if not self.zero:
+        if not self.zero or self.zero3:
             return None
         main, ledger, self.graph, self.phase = self.graph, self.ledger, fx.Graph(), "fwd"
         self.ledger = []
@@ -289,11 +308,36 @@ class _Lowerer:
             new.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
         new.meta.update(placements=p, module=self.prog.provenance[node.name].module, phase=self.phase)
         self.env[node.name] = new
+        if self.zero3 and self.param_fqn.get(node.name) in self.zero:
+            self.zero3_shard(node.name, new)
         n_dp = self.mesh.axes.get("dp", 1)
         if is_tangent and n_dp > 1 and self.loss_outputs and isinstance(p[self.mesh.axis_index("dp")], Shard):
             # Each dp rank differentiates its own local loss; dividing the incoming gradient by
             # dp makes parameter gradients the mean over dp ranks, as DDP and FSDP do.
             self.env[node.name] = self.emit(aten.div.Tensor, (new, n_dp), placements=p, name=f"{node.name}_dp_mean")
+
+    def zero3_shard(self, name: str, ph: fx.Node) -> None:
+        """ZeRO-3: the placeholder takes this rank's dp shard; its all-gather is emitted at the first use.
+
+        A tied weight's second placeholder uses the first one's gathered value.
+        """
+        fqn = self.param_fqn[name]
+        first = next(n for f, n in self.prog.signature.params if f == fqn)
+        del self.env[name]
+        if first != name:
+            self.env.lazy[name] = lambda: self.env[first]
+            return
+        d, dp = self.zero[fqn], self.mesh.axes["dp"]
+        full = ph.meta["val"]
+        shape = list(full.shape)
+        shape[d] //= dp
+        with self.fake:
+            ph.meta["val"] = torch.empty(shape, dtype=full.dtype, device=full.device)
+        placements = list(ph.meta["placements"])
+        placements[self.mesh.axis_index("dp")] = Shard(d)
+        ph.meta.update(placements=tuple(placements), zero3_shard=True)
+        after = self.prog.placements[name]
+        self.env.lazy[name] = lambda: self.gather(ph, d, dp, self.group("dp"), "dp", after, fqn, contiguous=True)
 
     def get_attr(self, node: fx.Node) -> None:
         value = getattr(self.prog.gm, node.target)
@@ -394,9 +438,9 @@ class _Lowerer:
                 results.append(self.scatter(ph, self.zero[fqn], self.mesh.axes["dp"], self.group("dp"), "dp", None,
                                             fqn, contiguous=True))
                 continue
-            self.record("all_reduce", "dp", ph.meta["val"])
             y = self.emit(c10d.all_reduce.default, (ph, "sum", self.group("dp")), module=fqn,
                           name=f"{ph.name}_allreduce")
+            self.record("all_reduce", "dp", ph.meta["val"], y)
             results.append(self.emit(c10d.wait_tensor.default, (y,), module=fqn, name=f"{ph.name}_reduced"))
         self.graph.output(tuple(results))
         graph, self.graph = self.graph, main
@@ -427,6 +471,9 @@ def lower(prog: Program, rank: int) -> RankProgram:
         setattr(root, name, value)
     joint = fx.GraphModule(root, graph)
     fwd, bwd, saved = split_joint(joint, prog.signature.num_outputs, root)
+    # the ledger in the order the graphs issue: forward, then backward (recomputed collectives re-issued there)
+    lowerer.ledger = [r for r in lowerer.ledger if r.phase == "fwd"] + [
+        replace(n.meta["ledger_row"], phase="bwd") for n in bwd.graph.nodes if "ledger_row" in n.meta]
     reduce_graph = lowerer.reduce_grads_graph(bwd)
     gather_graph = lowerer.gather_params_graph()
     stage = prog.notes.get("stage")
@@ -441,7 +488,12 @@ def lower(prog: Program, rank: int) -> RankProgram:
 def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
                 ) -> tuple[fx.GraphModule, fx.GraphModule, list[str]]:
     """Forward graph: fwd-phase nodes, returning user outputs + saved values. Backward graph:
-    saved values + tangents -> gradients."""
+    saved values + tangents -> gradients.
+
+    A forward value computed from ZeRO-3 parameter shards alone (their all-gather, a transpose of the
+    gathered weight) is not saved: the backward recomputes it from the shards (FSDP's re-gather), and
+    such nodes carry ``meta["recomputed"]``.
+    """
     out_node = joint.graph.output_node()
     outs = out_node.args[0]
     fwd_g, bwd_g = fx.Graph(), fx.Graph()
@@ -449,8 +501,13 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     benv: dict[fx.Node, fx.Node] = {}
     saved: list[fx.Node] = []
 
+    from_shards = _from_zero3_shards(joint.graph)
+
     def bwd_arg(n: fx.Node) -> fx.Node:
-        if n not in benv:  # a forward value the backward needs: saved across the two graphs
+        if n not in benv and n in from_shards:  # recompute it in the backward instead of saving it
+            benv[n] = bwd_g.node_copy(n, bwd_arg)
+            benv[n].meta.update(phase="bwd", recomputed=True)
+        elif n not in benv:  # a forward value the backward needs: saved across the two graphs
             ph = bwd_g.placeholder(f"saved_{n.name}")
             ph.meta.update(n.meta)
             benv[n] = ph
@@ -470,6 +527,17 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     bwd_g.output(tuple(None if o is None else (benv[o] if o in benv else bwd_arg(o)) for o in outs[num_outputs:]))
     _placeholders_first(bwd_g)
     return fx.GraphModule(root, fwd_g), fx.GraphModule(root, bwd_g), [s.name for s in saved]
+
+
+def _from_zero3_shards(graph: fx.Graph) -> set[fx.Node]:
+    """Forward nodes computed from ZeRO-3 parameter shards alone (the shard placeholders excluded)."""
+    shards = {n for n in graph.nodes if n.op == "placeholder" and n.meta.get("zero3_shard")}
+    derived: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and n.meta.get("phase") != "bwd" and n.all_input_nodes \
+                and all(a in shards or a in derived for a in n.all_input_nodes):
+            derived.add(n)
+    return derived
 
 
 def _placeholders_first(g: fx.Graph) -> None:

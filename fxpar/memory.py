@@ -5,12 +5,14 @@
 * ``params``: the local shards of every parameter the rank holds (each once, also when a tied
   weight sits on two of its stages); with ZeRO-1 (``Plan(zero=1)``) a dp-sharded parameter counts
   its shard plus the tp-local copy gathered for the step (``4 Psi / N + 4 Psi`` in fp32; also ZeRO-2);
+  with ZeRO-3 only the shard (``4 Psi / N``): the graphs gather each parameter where they use it,
+  and those gathered copies count in ``transient``;
 * ``grads``: one gradient per trainable parameter, the same size as its shard; with ZeRO-1 the
   accumulated tp-local gradient plus its reduce-scattered shard in ``.grad`` (``4 Psi + 4 Psi / N``);
-  with ZeRO-2 only the shard (``4 Psi / N``): one backward's whole gradients are reduce-scattered
+  with ZeRO-2 and 3 only the shard (``4 Psi / N``): one backward's whole gradients are reduce-scattered
   right away and counted in ``transient``;
 * ``optimizer``: Adam-like, two states per parameter shard (``exp_avg``, ``exp_avg_sq``), in the
-  parameter's dtype (``8 Psi / N`` with ZeRO-1 and 2). torch's per-parameter ``step`` counters (one scalar
+  parameter's dtype (``8 Psi / N`` with ZeRO-1, 2 and 3). torch's per-parameter ``step`` counters (one scalar
   each) are not counted;
 * ``activations``: the tensors each forward saves for its backward, times the microbatches the
   schedule keeps in flight on this rank (stage by stage, the schedule's own order). A saved value
@@ -85,9 +87,10 @@ def predict(pm: Any, rank: int) -> Memory:
         placeholders = [n for n in rp.forward.graph.nodes if n.op == "placeholder"]
         trainable = {fqn for fqn, _ in prog.signature.grads}
         for (fqn, _), node in zip(prog.signature.params, placeholders, strict=False):
-            full = nbytes(node)
+            full = nbytes(node) * (pm.mesh.axes["dp"] if node.meta.get("zero3_shard") else 1)  # ZeRO-3 takes shards
             shard = full // pm.mesh.axes["dp"] if fqn in rp.zero else full
-            param_bytes[fqn] = shard + (full if fqn in rp.zero else 0)
+            working_copy = full if fqn in rp.zero and c.plan.zero < 3 else 0  # ZeRO-3 gathers inside the graphs
+            param_bytes[fqn] = shard + working_copy
             state_bytes[fqn] = 2 * shard
             if fqn in trainable:  # ZeRO-1 keeps the summed whole gradient until the step's end; ZeRO-2 does not
                 grad_bytes[fqn] = shard + (full if fqn in rp.zero and c.plan.zero == 1 else 0)

@@ -88,6 +88,8 @@ def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str], verbosity: 
         args = [_arg(a, groups) for a in n.args] + [f"{k}={_arg(v, groups)}" for k, v in n.kwargs.items()]
         code = f"{n.name} = {_target(n.target)}({', '.join(args)})"
     notes = [type_str(n.meta.get("val")), placements_str(n.meta.get("placements"), axes)]
+    if n.meta.get("recomputed"):
+        notes.append("recomputed")
     if n.target in _COMM and n.target is not c10d.wait_tensor.default:
         notes.append(f"inflight {n.name}")
     elif n.meta.get("module"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fnmatch import fnmatch
 from functools import partial
 
+import pytest
 import torch
 
 import fxpar
@@ -53,6 +54,23 @@ def test_prediction_equals_local_storage_after_a_real_step() -> None:
         mem = r["predicted"]
         assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
         assert mem.activations == r["saved_per_microbatch"]  # one microbatch, one set in flight
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_prediction_equals_local_storage_after_a_real_step(zero: int) -> None:
+    # ZeRO-1: shards plus the step's gathered working copies; ZeRO-3: the shards alone (16 Psi / N)
+    plan = fxpar.Plan(tp=llama_plan(), zero=zero)
+    results = default_pool().run(measured_memory, 4, llama, {"dp": 2, "tp": 2}, plan, TOKENS, next_token_loss,
+                                 timeout=300)
+    psi = 4 * _local_elements(llama(), llama_plan(), tp=2)
+    for r in results:
+        mem = r["predicted"]
+        assert (mem.optimizer, r["optimizer"]) == (psi, psi)  # 8 Psi / N with N = dp = 2, in local fp32 bytes
+        assert mem.activations == r["saved_per_microbatch"]
+        if zero == 3:
+            assert (mem.params, mem.grads) == (r["params"], r["grads"]) == (psi // 2, psi // 2)
+        else:  # the gathered working copy lives only inside pm.step: the measured storage is the shards
+            assert (mem.params - psi, mem.grads - psi) == (r["params"], r["grads"]) == (psi // 2, psi // 2)
 
 
 def test_pipeline_activations_are_the_sets_the_schedule_keeps_in_flight() -> None:

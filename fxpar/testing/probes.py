@@ -50,9 +50,12 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
         mb = local.chunk(pm._compiled.microbatches)[0]
         bufs = pm._buffers_of(first)
         with torch.no_grad():
-            results = runner.forward(*[pm.local_param(f) for f in runner.param_fqns], *bufs, mb)
+            pm.gather_params()  # ZeRO-1/2: the step's working copies (ZeRO-3 gathers inside the graph)
+            inputs = [pm.local_param(f) for f in runner.param_fqns]
+            results = runner.forward(*inputs, *bufs, mb)
+            pm.release_params()
         saved = [t for t in results[runner.num_outputs:] if isinstance(t, torch.Tensor)]
-        saved_bytes = storage_bytes(saved, {t.untyped_storage().data_ptr() for t in [*params, *bufs, mb]})
+        saved_bytes = storage_bytes(saved, {t.untyped_storage().data_ptr() for t in [*inputs, *bufs, mb]})
     return {"predicted": pm.memory(rank), "params": storage_bytes(params),
             "grads": storage_bytes([_local(p.grad) for p in pm.parameters()]), "optimizer": storage_bytes(state),
             "saved_per_microbatch": saved_bytes,
@@ -78,15 +81,8 @@ def checkpoint_round(folder: str, save: bool, model_fn: Any, mesh_axes: dict[str
 
     Returns the full parameter tensors right after the save or load, and the losses of the steps after it.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     import fxpar
+    from fxpar import checkpoint
 
     torch.manual_seed(0)
     mesh = fxpar.Mesh(mesh_axes)
@@ -94,12 +90,8 @@ def checkpoint_round(folder: str, save: bool, model_fn: Any, mesh_axes: dict[str
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     if save:
         _train(pm, opt, mesh, tokens, steps_before)
-        dcp.save({"model": get_model_state_dict(pm), "optim": get_optimizer_state_dict(pm, opt)},
-                 checkpoint_id=folder)
+        checkpoint.save(pm, opt, folder)
     else:
-        state = {"model": get_model_state_dict(pm), "optim": get_optimizer_state_dict(pm, opt)}
-        dcp.load(state, checkpoint_id=folder)
-        set_model_state_dict(pm, state["model"])
-        set_optimizer_state_dict(pm, opt, state["optim"])
+        checkpoint.load(pm, opt, folder)
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in pm.named_parameters()}
     return {"params": full, "losses": _train(pm, opt, mesh, tokens, steps_after)}

@@ -218,7 +218,7 @@ def zero_cases(draw: st.DrawFn) -> tuple[ModelSpec, dict[str, int], Any, int]:
     tp = draw(plans(spec, mesh)) if "tp" in mesh else None
     m = draw(st.sampled_from([1, 2]))
     batch = mesh["dp"] * m * draw(st.sampled_from([1, 2]))
-    return spec, mesh, fxpar.Plan(tp=tp or {}, zero=draw(st.sampled_from([1, 2])), microbatches=m), batch
+    return spec, mesh, fxpar.Plan(tp=tp or {}, zero=draw(st.sampled_from([1, 2, 3])), microbatches=m), batch
 
 
 PIPELINE_MESHES = ({"pp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "tp": 2})
@@ -239,5 +239,5 @@ def pipeline_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], An
     m = draw(st.sampled_from([2, 4] if schedule == "interleaved-1f1b" else [1, 2, 4]))
     tp = draw(plans(spec, {"tp": 2})) if "tp" in mesh else None
     batch = mesh.get("dp", 1) * m * draw(st.sampled_from([1, 2]))
-    zero = draw(st.sampled_from([0, 1, 2])) if "dp" in mesh else 0
+    zero = draw(st.sampled_from([0, 1, 2, 3])) if "dp" in mesh else 0
     return spec, mesh, fxpar.Plan(tp=tp or {}, stages=stages, schedule=schedule, microbatches=m, zero=zero), batch
