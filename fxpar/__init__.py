@@ -1,12 +1,12 @@
 """fxpar: compile an unmodified PyTorch model into one program per rank of a device mesh."""
 
 from fxpar.api import parallelize
-from fxpar.errors import CaptureError, PlanError
+from fxpar.errors import CaptureError, CheckpointError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.passes.propagate import FxparWarning
 from fxpar.plan import Plan
 from fxpar.runtime import ParallelModule
 from fxpar.verify import VerifyError, verify
 
-__all__ = ["CaptureError", "FxparWarning", "Mesh", "ParallelModule", "Plan", "PlanError", "VerifyError", "parallelize",
-           "verify"]
+__all__ = ["CaptureError", "CheckpointError", "FxparWarning", "Mesh", "ParallelModule", "Plan", "PlanError",
+           "VerifyError", "parallelize", "verify"]

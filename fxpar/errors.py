@@ -13,6 +13,10 @@ class CaptureError(RuntimeError):
     """The model could not be traced; the message points at the user's source line."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint does not hold what the module being loaded expects (a parameter name it lacks)."""
+
+
 def close_matches(word: str, candidates: list[str], n: int = 5) -> list[str]:
     """Candidates that look like ``word``, best first (for 'did you mean' hints)."""
     return difflib.get_close_matches(word, candidates, n=n, cutoff=0.4)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fxpar
+from fxpar import checkpoint
 from fxpar.models.llama import llama, llama_plan
 from fxpar.testing import default_pool
 from fxpar.testing.error_models import next_token_loss
@@ -22,10 +23,10 @@ MODEL = partial(llama, n_layers=2, vocab_size=128)
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
-    """2 AdamW steps on dp=2 x tp=2 with ZeRO-1, then a DCP save of model and optimizer; then 2 more steps."""
+    """2 AdamW steps on dp=2 x tp=2 with ZeRO-3, then a DCP save of model and optimizer; then 2 more steps."""
     folder = str(tmp_path_factory.mktemp("ckpt"))
     results = default_pool().run(checkpoint_round, 4, folder, True, MODEL, {"dp": 2, "tp": 2},
-                                 fxpar.Plan(tp=llama_plan(), zero=1), TOKENS, next_token_loss, 2, 2, timeout=300)
+                                 fxpar.Plan(tp=llama_plan(), zero=3), TOKENS, next_token_loss, 2, 2, timeout=300)
     return folder, results[0]
 
 
@@ -56,3 +57,17 @@ def test_load_into_the_plain_model_in_one_process(saved: tuple[str, dict]) -> No
     model.load_state_dict(state["model"])
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before["params"][name]), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_whose_names_do_not_match_is_a_clear_error(saved: tuple[str, dict]) -> None:
+    folder, _ = saved
+
+    class Wrapped(torch.nn.Module):  # the same model one level deeper: every name gains a "net." prefix
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = MODEL()
+
+    with pytest.raises(fxpar.CheckpointError, match=r"has no parameter 'net\.\S+' \(and \d+ more\).*closest saved"):
+        checkpoint.load(Wrapped(), None, folder)
+    checkpoint.load(MODEL(), None, folder)  # the right names load

@@ -1,0 +1,80 @@
+"""Resharding checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Parameters of a ``ParallelModule`` are DTensors and the optimizer state follows them, so DCP saves
+each rank's shards with their global layout and loads them onto any other mesh and plan (or into
+the plain model in one process). ``save`` and ``load`` are the two calls a training script needs;
+``load`` first checks that the checkpoint holds every parameter name the module expects, so a
+renamed module is a clear error instead of a failure deep inside DCP (or a hang on other ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from fxpar.errors import CheckpointError, close_matches
+
+
+def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
+    """Save ``module``'s (and ``optimizer``'s) state to the DCP folder ``path``; collective over the ranks."""
+    state = {"model": get_model_state_dict(module)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(module, optimizer)
+    dcp.save(state, checkpoint_id=path)
+
+
+def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
+    """Load ``path`` into ``module`` (and ``optimizer``), resharding to the module's mesh and plan.
+
+    Raises ``CheckpointError`` on every rank, before any data moves, if the checkpoint lacks a
+    parameter or buffer name the module has (the message names it and the closest saved names).
+    """
+    check_names(module, path)
+    state = {"model": get_model_state_dict(module)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(module, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(module, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(module, optimizer, state["optim"])
+
+
+def saved_names(path: str) -> list[str]:
+    """The model state names a DCP checkpoint holds (its ``model.`` entries, prefix removed)."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return sorted(k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model."))
+
+
+def check_names(module: torch.nn.Module, path: str) -> None:
+    """Raise ``CheckpointError`` unless ``path`` holds every name in ``module``'s state dict.
+
+    Extra names in the checkpoint are fine (a pipeline rank holds only its stages' parameters). With
+    ``torch.distributed`` initialized every rank learns whether any rank is missing names, so all
+    raise together and none is left waiting inside DCP's collectives.
+    """
+    have = saved_names(path)
+    missing = sorted(set(get_model_state_dict(module)) - set(have))
+    message = _describe(missing, have, path) if missing else ""
+    if dist.is_available() and dist.is_initialized():
+        messages: list[str] = [""] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+        bad = [r for r, m in enumerate(messages) if m]
+        if bad and not message:
+            message = f"rank(s) {bad} cannot load {path!r}: {messages[bad[0]]}"
+    if message:
+        raise CheckpointError(message)
+
+
+def _describe(missing: list[str], have: list[str], path: str) -> str:
+    first = missing[0]
+    hint = close_matches(first, have, n=3)
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return (f"checkpoint {path!r} has no parameter {first!r}{more}: the module's names do not match the saved ones"
+            + (f"; closest saved names: {hint}" if hint else f"; it holds {len(have)} names, e.g. {have[:3]}"))
