@@ -1,4 +1,4 @@
-"""fxpar data parallelism vs PyTorch's on real gloo ranks: zero=0 vs DDP, zero=1/2 vs FSDP2 (ZeRO-2 mode).
+"""fxpar data parallelism vs PyTorch's on real gloo ranks: zero=0 vs DDP, zero=1/2/3 vs FSDP2 (ZeRO-2/3 modes).
 
 One command, one launch of 2 gloo ranks (``dp=2``), about a minute on 2 cores::
 
@@ -7,11 +7,13 @@ One command, one launch of 2 gloo ranks (``dp=2``), about a minute on 2 cores::
 Same model (the bundled Llama, seed 0), same global batch, fp32 AdamW. Per system and rank, after warm-up:
 
 * **bytes per step** of the dp collectives against the analytic optimum (Psi = parameter bytes):
-  zero 0 all-reduce Psi; zero 1 and 2 all-gather Psi + reduce-scatter Psi (one microbatch). fxpar's from
+  zero 0 all-reduce Psi; zero 1 and 2 all-gather Psi + reduce-scatter Psi (one microbatch); zero 3 all-gather
+  2 Psi (forward and backward) + reduce-scatter Psi. fxpar's from
   its ledger (exact, known at compile time); DDP's counted in a comm hook (every bucket it all-reduces);
   FSDP2's by wrapping ``torch.distributed.all_gather_single`` / ``reduce_scatter_single``, which its default
-  collectives call. FSDP2 runs with ``reshard_after_forward=False`` (parameters stay gathered between
-  forward and backward: ZeRO-2's schedule), one ``fully_shard`` per block plus the root.
+  collectives call. FSDP2 runs one ``fully_shard`` per block plus the root, with ``reshard_after_forward=False``
+  (parameters stay gathered between forward and backward: ZeRO-2's schedule) against fxpar zero 1 and 2, and
+  ``True`` (re-gathered in backward: ZeRO-3) against fxpar zero 3.
 * **memory per rank** after a step: local storage of parameters, gradients and Adam state (``exp_avg``,
   ``exp_avg_sq``), against ``pm.memory(rank)`` and the formula (4 + 4 + 8 Psi for DDP; Adam state 8 Psi / N
   for ZeRO). fxpar's gathered working copies are released after ``pm.step``, so they are not in the
@@ -46,7 +48,8 @@ CONFIG = {"n_layers": 4, "hidden": 256, "intermediate": 512, "n_heads": 4, "n_kv
 BATCH, SEQ, DP = 8, 64, 2
 WARMUP, STEPS, ROUNDS = 2, 12, 4
 COMMAND = ".venv/bin/python bench/zero.py"
-SYSTEMS = ["fxpar zero=0", "DDP", "fxpar zero=1", "fxpar zero=2", "FSDP2 (ZeRO-2 mode)"]
+SYSTEMS = ["fxpar zero=0", "DDP", "fxpar zero=1", "fxpar zero=2", "FSDP2 (ZeRO-2 mode)", "fxpar zero=3",
+           "FSDP2 (ZeRO-3 mode)"]
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -114,9 +117,10 @@ def build(name: str, model: Llama, tokens: torch.Tensor, counter: Counter) -> tu
             loss.backward()
             return _global_mean(loss)
         return ddp_step, opt, ddp
+    reshard = name == "FSDP2 (ZeRO-3 mode)"
     for layer in m.layers:
-        fully_shard(layer, reshard_after_forward=False)
-    fully_shard(m, reshard_after_forward=False)
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(m, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 
     def fsdp_step() -> torch.Tensor:
@@ -182,8 +186,10 @@ def rank_main() -> dict[str, Any]:
 
 def report(res: dict[str, Any], psi: int) -> list[str]:
     optimum = {"fxpar zero=0": {"all_reduce": psi}, "DDP": {"all_reduce": psi}}
-    optimum.update({k: {"all_gather": psi, "reduce_scatter": psi} for k in SYSTEMS[2:]})
-    base = {"fxpar zero=0": "DDP", "fxpar zero=1": "FSDP2 (ZeRO-2 mode)", "fxpar zero=2": "FSDP2 (ZeRO-2 mode)"}
+    optimum.update({k: {"all_gather": psi, "reduce_scatter": psi} for k in SYSTEMS[2:5]})
+    optimum.update({k: {"all_gather": 2 * psi, "reduce_scatter": psi} for k in SYSTEMS[5:]})
+    base = {"fxpar zero=0": "DDP", "fxpar zero=1": "FSDP2 (ZeRO-2 mode)", "fxpar zero=2": "FSDP2 (ZeRO-2 mode)",
+            "fxpar zero=3": "FSDP2 (ZeRO-3 mode)"}
     rows, mem_rows, time_rows = [], [], []
     for name in SYSTEMS:
         r = res[name]
