@@ -72,7 +72,7 @@ def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = No
                         f"got {type(plan).__name__}")
     if axes is not None:
         _check_axes(plan, axes)
-    unbuilt = {"sequence_parallel": plan.sequence_parallel, "recompute": plan.recompute,
+    unbuilt = {"recompute": plan.recompute,
                "fp8": plan.fp8, "overlap": plan.overlap}
     for name, value in unbuilt.items():
         if value:

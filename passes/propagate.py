@@ -10,6 +10,8 @@ chooses among them:
   optimum), and a residual ``add(R, P)`` reduces the partial block output.
 * Parameters are never gathered when another strategy exists; shards must divide evenly.
 * Otherwise the cheapest candidate in bytes moved wins; ties keep the inputs as they are.
+* With sequence parallelism, a value ``notes["sequence_parallel"]`` names costs its bytes when
+  it is not ``Shard(1)`` over tp (as if it moved them), so those values stay sharded on the sequence dim.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ VIEW_LIKE = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.
 PARAM_PENALTY = 1e6
 Taken = tuple[dict[int, set[int]], dict[int, set[int]]]  # tensor input / output index -> sharded dims
 NO_CANDIDATE = math.inf
+SEQUENCE = Shard(1)  # where sequence parallelism keeps the residual stream ([batch, seq, hidden]) on tp
 
 
 class FxparWarning(UserWarning):
@@ -62,13 +65,14 @@ def propagate(prog: Program, ctx: Context) -> Program:
     params = {name for _, name in prog.signature.params}
     param_like: set[str] = set(params)
     outputs = _output_targets(prog, placements)
+    stream = prog.notes.get("sequence_parallel", frozenset())
     for name, idx in prog.signature.tangents:
         placements[name] = outputs[idx]
     for node in prog.graph.nodes:
         if node.op == "get_attr":
             placements[node.name] = _replicated(prog)
         elif node.op == "call_function":
-            _place_call(prog, node, placements, arg_placements, param_like)
+            _place_call(prog, node, placements, arg_placements, param_like, node.name in stream)
         elif node.op == "output":
             arg_placements[node.name] = tuple(outputs)
     return prog.replace("propagate", placements=placements, arg_placements=arg_placements)
@@ -97,7 +101,7 @@ def _output_targets(prog: Program, placements: dict[str, Any]) -> list[Any]:
 
 
 def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
-                arg_placements: dict[str, tuple[Any, ...]], param_like: set[str]) -> None:
+                arg_placements: dict[str, tuple[Any, ...]], param_like: set[str], stream: bool = False) -> None:
     if node.target is __import__("operator").getitem:
         src = placements.get(node.args[0].name)
         if src is not None:
@@ -115,7 +119,8 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
         if n == 1:
             cand = Candidate(tuple(Replicate() for _ in cur), _all(val, Replicate()))
         else:
-            cand = _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out))
+            sharded = stream and prog.mesh.names[ax] == "tp"
+            cand = _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out), sharded)
         per_axis_in.append(cand.inputs)
         per_axis_out.append(cand.output)
     arg_placements[node.name] = tuple(tuple(ins) for ins in zip(*per_axis_in, strict=True)) if tensor_args else ()
@@ -158,8 +163,12 @@ def _taken_dims(per_axis_in: list[tuple[Placement, ...]], per_axis_out: list[Any
 
 
 def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: int,
-            param_like: set[str], taken: Taken) -> Candidate:
-    """The cheapest allowed candidate on one axis; replicate everything if none is known."""
+            param_like: set[str], taken: Taken, sharded: bool = False) -> Candidate:
+    """The cheapest allowed candidate on one axis; replicate everything if none is known.
+
+    ``sharded``: the node is a sequence-parallel stream value on this axis (any placement but ``SEQUENCE``
+    costs its bytes).
+    """
     args = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.args)
     kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
     found = None
@@ -170,18 +179,41 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
             found = None
     else:  # factory ops (arange, full, scalar_tensor, ...) produce replicated values
         return Candidate((), _all(node.meta["val"], Replicate()))
+    if sharded and tensor_args:  # also ask how the op runs with its stream-shaped inputs already sequence-sharded
+        hint = [SEQUENCE if _stream_shaped(a, node) else c for a, c in zip(tensor_args, cur, strict=True)]
+        if hint != cur:
+            try:
+                found = (found or []) + (candidates(node.target, args, kwargs, hint, n) or [])
+            except Exception:  # noqa: BLE001 - as above
+                pass
     if found is None and str(node.target) not in _warned:
         _warned.add(str(node.target))
         warnings.warn(f"fxpar: no sharding rule for {node.target}; it runs replicated (inputs gathered)",
                       FxparWarning, stacklevel=2)
     fallback = Candidate(tuple(Replicate() for _ in cur), _all(node.meta["val"], Replicate()))
-    best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like), 1, 0)
+    replica = float(_nbytes(node)) if sharded else 0.0
+    best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like) + replica, 1, 0)
     for i, cand in enumerate(found or []):
-        cost = _cost(node, cand, tensor_args, cur, n, param_like) if _disjoint(cand, taken) else NO_CANDIDATE
+        usable = _disjoint(cand, taken) and _plain(cand)
+        cost = _cost(node, cand, tensor_args, cur, n, param_like) if usable else NO_CANDIDATE
+        cost += replica if cand.output != SEQUENCE else 0.0
         key = (cost, sum(c != r for c, r in zip(cur, cand.inputs, strict=True)), i)
         if cost < NO_CANDIDATE and key < best_key:
             best, best_key = cand, key
     return best
+
+
+def _stream_shaped(arg: fx.Node, node: fx.Node) -> bool:
+    """``arg`` is a ``[batch, seq, hidden]`` tensor with the same batch and sequence sizes as ``node``'s output."""
+    a, out = tensor_val(arg), node.meta.get("val")
+    return a is not None and isinstance(out, torch.Tensor) and a.ndim == 3 == out.ndim and a.shape[:2] == out.shape[:2]
+
+
+def _plain(cand: Candidate) -> bool:
+    """Whether ``cand`` uses only placements lowering implements (not DTensor's ``_StridedShard``, which a
+    flatten of a tensor sharded on an inner dim yields: fxpar gathers before such a view instead)."""
+    outs = cand.output if isinstance(cand.output, tuple) else (cand.output,)
+    return all(p is None or type(p) in (Shard, Replicate, Partial) for p in (*cand.inputs, *outs))
 
 
 def _disjoint(cand: Candidate, taken: Taken) -> bool:

@@ -209,8 +209,9 @@ ZERO_MESHES = ({"dp": 2}, {"dp": 4}, {"dp": 2, "tp": 2})
 
 @st.composite
 def zero_cases(draw: st.DrawFn) -> tuple[ModelSpec, dict[str, int], Any, int]:
-    """ZeRO-1/2 on a dp mesh (alone, dp=4, or with tp=2): an MLP or a decoder (hidden >= 8, see
-    ``transformer_specs``), a random tp plan, one or two microbatches; (spec, mesh, ``fxpar.Plan``, batch)."""
+    """ZeRO-1/2/3 on a dp mesh (alone, dp=4, or with tp=2 and maybe sequence parallel): an MLP or a decoder
+    (hidden >= 8, see ``transformer_specs``), a random tp plan, one or two microbatches; (spec, mesh,
+    ``fxpar.Plan``, batch)."""
     import fxpar
 
     mesh = draw(st.sampled_from(ZERO_MESHES))
@@ -218,7 +219,9 @@ def zero_cases(draw: st.DrawFn) -> tuple[ModelSpec, dict[str, int], Any, int]:
     tp = draw(plans(spec, mesh)) if "tp" in mesh else None
     m = draw(st.sampled_from([1, 2]))
     batch = mesh["dp"] * m * draw(st.sampled_from([1, 2]))
-    return spec, mesh, fxpar.Plan(tp=tp or {}, zero=draw(st.sampled_from([1, 2, 3])), microbatches=m), batch
+    sp = draw(st.booleans()) if "tp" in mesh else False
+    return spec, mesh, fxpar.Plan(tp=tp or {}, zero=draw(st.sampled_from([1, 2, 3])), microbatches=m,
+                                  sequence_parallel=sp), batch
 
 
 PIPELINE_MESHES = ({"pp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "tp": 2})
@@ -227,7 +230,8 @@ PIPELINE_MESHES = ({"pp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "tp": 2})
 @st.composite
 def pipeline_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], Any, int]:
     """A pipelined case: a Llama-style decoder of 2-4 layers on a pp=2 mesh (alone, with dp or with tp), a
-    random schedule, microbatch count, (with tp) tensor-parallel plan and (with dp) ZeRO level;
+    random schedule, microbatch count, (with tp) tensor-parallel plan and sequence parallel or not, (with dp)
+    ZeRO level;
     (spec, mesh, ``fxpar.Plan``, batch)."""
     import fxpar
 
@@ -240,4 +244,6 @@ def pipeline_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], An
     tp = draw(plans(spec, {"tp": 2})) if "tp" in mesh else None
     batch = mesh.get("dp", 1) * m * draw(st.sampled_from([1, 2]))
     zero = draw(st.sampled_from([0, 1, 2, 3])) if "dp" in mesh else 0
-    return spec, mesh, fxpar.Plan(tp=tp or {}, stages=stages, schedule=schedule, microbatches=m, zero=zero), batch
+    sp = draw(st.booleans()) if "tp" in mesh else False
+    return spec, mesh, fxpar.Plan(tp=tp or {}, stages=stages, schedule=schedule, microbatches=m, zero=zero,
+                                  sequence_parallel=sp), batch

@@ -1,0 +1,62 @@
+"""sequence_parallel: mark the activations between tensor-parallel blocks for sharding on the sequence dim."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from fxpar.passes.propagate import FxparWarning
+
+from fxpar.ir import Program
+from fxpar.pipeline import Context
+
+
+def sequence_parallel(prog: Program, ctx: Context) -> Program:
+    """Megatron sequence parallelism: name the values ``propagate`` should keep ``Shard(1)`` over tp.
+
+    Requires: an annotated Program; ``ctx.plan.sequence_parallel`` with a tp axis of size > 1
+    (checked by the Plan); the model's activations laid out ``[batch, seq, hidden]``.
+    Ensures: ``notes["sequence_parallel"]`` = the names of every floating-point node, forward and
+    backward, of shape ``[b, s, h]`` where ``s`` is the sequence length of the first input and ``h``
+    a hidden width of the tp plan (the ``in_features`` of a colwise Linear or the ``out_features``
+    of a rowwise one): the residual stream, its norms, dropouts and adds, and their gradients.
+    ``propagate`` charges a replicated placement of these values on tp as if it moved their bytes,
+    so the cheapest program keeps them sequence-sharded: the input of a colwise Linear is then
+    all-gathered (not sliced from a replica) and a rowwise Linear's partial output is
+    reduce-scattered (not all-reduced), the two collectives each Megatron SP block boundary needs.
+    A sequence length tp does not divide turns it off with a ``FxparWarning`` (a correct program,
+    without the saving). Without ``sequence_parallel`` the Program is returned unchanged.
+    """
+    if not ctx.plan.sequence_parallel:
+        return prog
+    widths = hidden_widths(ctx.model, prog.notes.get("plan", {}))
+    first = prog.node(prog.signature.inputs[0]).meta["val"] if prog.signature.inputs else None
+    if not widths or first is None or first.ndim < 2:
+        return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": frozenset()})
+    seq, tp = first.shape[1], prog.mesh.axes["tp"]
+    if seq % tp:
+        warnings.warn(f"fxpar: sequence_parallel is off: the sequence length {seq} is not divisible by tp={tp} "
+                      "(activations stay replicated over tp, as without it)", FxparWarning, stacklevel=2)
+        return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": frozenset()})
+    stream = frozenset(n.name for n in prog.graph.nodes
+                       if n.op == "call_function" and _is_stream(n.meta.get("val"), seq, widths))
+    return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": stream})
+
+
+def hidden_widths(model: torch.nn.Module, styles: dict[str, str]) -> set[int]:
+    """Widths of the residual stream a tp plan implies: colwise Linears read it, rowwise Linears write it."""
+    modules = dict(model.named_modules())
+    widths = set()
+    for path, style in styles.items():
+        mod = modules.get(path)
+        if isinstance(mod, torch.nn.Linear):
+            if style == "colwise":
+                widths.add(mod.in_features)
+            elif style == "rowwise":
+                widths.add(mod.out_features)
+    return widths
+
+
+def _is_stream(val: object, seq: int, widths: set[int]) -> bool:
+    return (isinstance(val, torch.Tensor) and val.ndim == 3 and val.dtype.is_floating_point
+            and val.shape[1] == seq and val.shape[2] in widths)

@@ -1,0 +1,91 @@
+"""Megatron sequence parallelism (``Plan(sequence_parallel=True)`` with tp): ledger per layer, equivalence, memory."""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import partial
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.models.llama import hf_llama_plan, llama, llama_plan
+from fxpar.testing import assert_equivalent
+from fxpar.testing.error_models import next_token_loss
+
+TOKENS = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+HIDDEN = 64
+
+
+def _hf_llama(layers: int) -> torch.nn.Module:
+    pytest.importorskip("transformers")
+    from fxpar.models.hf import hf_llama
+
+    return hf_llama(layers=layers, hidden=HIDDEN)
+
+
+def _tp_rows(layers: int, axes: dict[str, int], sp: bool = True) -> Counter:
+    pm = fxpar.parallelize(_hf_llama(layers), fxpar.Mesh(axes, fake=True), (TOKENS,),
+                           plan=fxpar.Plan(tp=hf_llama_plan(), sequence_parallel=sp))
+    return Counter((r.phase, r.op, r.bytes) for r in pm.ledger(0) if r.axis == "tp")
+
+
+@pytest.mark.parametrize("axes", [{"tp": 2}, {"dp": 2, "tp": 2}], ids=["tp2", "dp2xtp2"])
+def test_per_layer_two_all_gathers_and_two_reduce_scatters_each_way(axes: dict[str, int]) -> None:
+    # compiling 2 and 4 layers and differencing leaves one layer's collectives (embedding and lm_head cancel)
+    two, four = _tp_rows(2, axes), _tp_rows(4, axes)
+    per_layer = {k: (four[k] - two[k]) / 2 for k in four | two if four[k] != two[k]}
+    b, s = TOKENS.shape[0] // axes.get("dp", 1), TOKENS.shape[1]
+    stream = b * s * HIDDEN * 4  # b_local * s * h fp32 elements, gathered whole / reduced whole
+    assert per_layer == {
+        ("fwd", "all_gather", stream): 2, ("fwd", "reduce_scatter", stream): 2,  # no tp all-reduce in forward
+        ("bwd", "all_gather", stream): 2, ("bwd", "reduce_scatter", stream): 2,  # the conjugates
+        # the two norm weights' gradients are sums over the sharded sequence: all-reduced, as Megatron does
+        ("bwd", "all_reduce", HIDDEN * 4): 2,
+    }
+    without = _tp_rows(4, axes, sp=False)  # plain tp: 2 all-reduces of the stream per layer each way
+    assert {k: v for k, v in without.items() if k[1] != "all_reduce"} == {}
+
+
+def test_saved_activations_shrink() -> None:
+    mems = {sp: fxpar.parallelize(_hf_llama(2), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
+                                  plan=fxpar.Plan(tp=hf_llama_plan(), sequence_parallel=sp)).memory(0)
+            for sp in (False, True)}
+    assert mems[True].activations < mems[False].activations
+
+
+def test_printed_program_keeps_the_stream_sequence_sharded() -> None:
+    pm = fxpar.parallelize(llama(n_layers=1, vocab_size=128), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
+                           plan=fxpar.Plan(tp=llama_plan(), sequence_parallel=True))
+    forward = pm.program(0).split("def backward")[0]
+    assert "comm.reduce_scatter" in forward and "comm.all_reduce" not in forward
+    assert "tp:S(1)" in forward
+
+
+def test_a_sequence_tp_does_not_divide_turns_it_off_with_a_warning() -> None:
+    tokens = TOKENS[:, :15]
+    with pytest.warns(fxpar.FxparWarning, match="sequence length 15 is not divisible by tp=2"):
+        pm = fxpar.parallelize(llama(n_layers=1, vocab_size=128), fxpar.Mesh({"tp": 2}, fake=True), (tokens,),
+                               plan=fxpar.Plan(tp=llama_plan(), sequence_parallel=True))
+    assert not [r for r in pm.ledger(0) if r.op == "reduce_scatter"]
+
+
+def _check(model_fn, axes: dict[str, int], plan: fxpar.Plan) -> None:  # noqa: ANN001
+    assert_equivalent(model_fn, axes, plan, (TOKENS,), steps=3, loss_fn=next_token_loss, targets=TOKENS)
+
+
+def test_zero3_with_tp_and_sequence_parallel_at_dp2_matches_single_device() -> None:
+    _check(partial(llama, n_layers=2, vocab_size=128), {"dp": 2, "tp": 2},
+           fxpar.Plan(tp=llama_plan(), zero=3, sequence_parallel=True))
+
+
+def test_hf_llama_tp2_sequence_parallel_matches_single_device() -> None:
+    pytest.importorskip("transformers")
+    from fxpar.models.hf import hf_llama
+
+    _check(partial(hf_llama, layers=2), {"tp": 2}, fxpar.Plan(tp=hf_llama_plan(), sequence_parallel=True))
+
+
+def test_sequence_parallel_with_pipeline_stages_matches_single_device() -> None:
+    _check(partial(llama, n_layers=2, vocab_size=128), {"pp": 2, "tp": 2},
+           fxpar.Plan(tp=llama_plan(), sequence_parallel=True, microbatches=2, schedule="1f1b"))
