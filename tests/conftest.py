@@ -48,4 +48,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         f"property suite: {total} hypothesis examples ({per_test}); seed {PROPERTY_SEED} "
         f"(replay: FXPAR_SEED={PROPERTY_SEED} make test)")
     pool = default_pool()
-    terminalreporter.write_line(f"rank pool: {pool.tasks_run} multi-rank tasks, {pool.restarts} restarts")
+    terminalreporter.write_line(f"rank pool: {pool.tasks_run} multi-rank tasks, {pool.restarts} restarts, "
+                                f"{pool.recycles} recycles")

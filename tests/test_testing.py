@@ -131,6 +131,18 @@ def test_pool_reuses_processes_across_world_sizes() -> None:
     assert pool.restarts == 0 and pool.size == 0
 
 
+def test_pool_recycles_workers_that_accumulate_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every worker has more threads than this (gloo's), so each task is followed by fresh workers
+    monkeypatch.setattr("fxpar.testing.pool.RECYCLE_THREADS", 1)
+    pool = RankPool(collective_timeout=10)
+    try:
+        first = {pid for _, pid, _ in pool.run(_whoami, 2)}
+        second = {pid for _, pid, _ in pool.run(_whoami, 2)}
+    finally:
+        pool.close()
+    assert not first & second and pool.recycles == 2 and pool.restarts == 0
+
+
 def test_pool_reports_errors_and_stays_usable() -> None:
     pool = RankPool(collective_timeout=10)
     try:

@@ -36,6 +36,11 @@ from fxpar.testing.launch import RankFailure, free_port, reap
 
 T = TypeVar("T")
 _FAILURE_GRACE_S = 2.0
+# A worker keeps the gloo threads of every distinct mesh it ran (DTensor's sharding caches, some in C++,
+# hold DeviceMeshes and with them their ProcessGroups): about five threads per new mesh. Past this
+# many threads in one worker the pool starts fresh workers before the next task, which costs one
+# startup (seconds) instead of a session that slows down under thousands of threads.
+RECYCLE_THREADS = 300
 
 
 def _worker(index: int, conn: Connection, parent: int, env: dict[str, str], preload: tuple[str, ...]) -> None:
@@ -79,7 +84,15 @@ def _run_task(rank: int, fn: Callable[..., Any], args: tuple, world: int, port: 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return msg
+    return (*msg, _thread_count())
+
+
+def _thread_count() -> int:
+    """Threads of this process (Linux), else 0."""
+    try:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+    except OSError:
+        return 0
 
 
 def _picklable(e: BaseException) -> BaseException | None:
@@ -125,6 +138,8 @@ class RankPool:
         self._conns: list[Connection] = []
         self.tasks_run = 0
         self.restarts = 0
+        self.recycles = 0
+        self._threads = 0  # the most threads a worker reported since they started
 
     @property
     def size(self) -> int:
@@ -170,6 +185,9 @@ class RankPool:
         if len(results) + len(failures) < world:  # some ranks are stuck: their state is unknown
             self.close()
             self.restarts += 1
+        elif self._threads > RECYCLE_THREADS:  # see RECYCLE_THREADS: fresh workers on the next task
+            self.close()
+            self.recycles += 1
         if failures:
             raise self._failure(world, results, failures, timeout)
         return [results[r] for r in range(world)]
@@ -193,10 +211,11 @@ class RankPool:
                     code = self._procs[rank].exitcode
                     failures[rank] = ("died", f"rank {rank} exited with code {code} without a result", "", None)
                     continue
+                self._threads = max(self._threads, msg[-1])
                 if msg[0] == "ok":
                     results[rank] = msg[1]
                 else:
-                    failures[rank] = msg
+                    failures[rank] = msg[:-1]
         return results, failures
 
     @staticmethod
@@ -229,6 +248,7 @@ class RankPool:
         for c in self._conns:
             c.close()
         self._procs, self._conns = [], []
+        self._threads = 0
 
 
 _DEFAULT: RankPool | None = None
