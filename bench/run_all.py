@@ -7,7 +7,8 @@
 2. ``compile_time.py``: parallelize vs bare export and joint capture at Llama-3-70B widths;
 3. ``compare_dtensor.py``: step time and collectives vs hand-written DTensor on real gloo ranks;
 4. ``pipeline.py``: pipeline bubble from real traces vs the simulator, and fxpar vs torch.distributed.pipelining;
-5. ``zero.py``: fxpar zero=0 vs DDP and zero=1/2 vs FSDP2: bytes vs optimum, memory per rank, step time.
+5. ``zero.py``: fxpar zero=0 vs DDP and zero=1/2/3 vs FSDP2: bytes vs optimum, memory per rank, step time;
+6. ``sequence_parallel.py``: fxpar tp and tp+SP vs DTensor's: bytes vs optimum, saved activations, step time.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def commands(layers: str, repeats: int) -> list[list[str]]:
             [py, os.path.join(HERE, "compile_time.py"), "--layers", layers],
             [py, os.path.join(HERE, "compare_dtensor.py"), "--repeats", str(repeats)],
             [py, os.path.join(HERE, "pipeline.py")],
-            [py, os.path.join(HERE, "zero.py")]]
+            [py, os.path.join(HERE, "zero.py")],
+            [py, os.path.join(HERE, "sequence_parallel.py")]]
 
 
 def main() -> None:
