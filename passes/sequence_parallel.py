@@ -24,7 +24,8 @@ def sequence_parallel(prog: Program, ctx: Context) -> Program:
     so the cheapest program keeps them sequence-sharded: the input of a colwise Linear is then
     all-gathered (not sliced from a replica) and a rowwise Linear's partial output is
     reduce-scattered (not all-reduced), the two collectives each Megatron SP block boundary needs.
-    A sequence length tp does not divide turns it off with a ``FxparWarning`` (a correct program,
+    A sequence length tp does not divide, or a plan with no colwise/rowwise ``nn.Linear``, turns it off
+    with a ``FxparWarning`` (a correct program,
     without the saving). Without ``sequence_parallel`` the Program is returned unchanged.
     """
     if not ctx.plan.sequence_parallel:
@@ -32,6 +33,9 @@ def sequence_parallel(prog: Program, ctx: Context) -> Program:
     widths = hidden_widths(ctx.model, prog.notes.get("plan", {}))
     first = prog.node(prog.signature.inputs[0]).meta["val"] if prog.signature.inputs else None
     if not widths or first is None or first.ndim < 2:
+        warnings.warn("fxpar: sequence_parallel is off: it needs [batch, seq, ...] inputs and a tp plan with colwise "
+                      "or rowwise nn.Linear modules (their widths name the residual stream)", FxparWarning,
+                      stacklevel=2)
         return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": frozenset()})
     seq, tp = first.shape[1], prog.mesh.axes["tp"]
     if seq % tp:

@@ -89,3 +89,9 @@ def test_hf_llama_tp2_sequence_parallel_matches_single_device() -> None:
 def test_sequence_parallel_with_pipeline_stages_matches_single_device() -> None:
     _check(partial(llama, n_layers=2, vocab_size=128), {"pp": 2, "tp": 2},
            fxpar.Plan(tp=llama_plan(), sequence_parallel=True, microbatches=2, schedule="1f1b"))
+
+
+def test_a_plan_without_tp_linears_turns_it_off_with_a_warning() -> None:
+    with pytest.warns(fxpar.FxparWarning, match="sequence_parallel is off: it needs"):
+        fxpar.parallelize(llama(n_layers=1, vocab_size=128), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
+                          plan=fxpar.Plan(sequence_parallel=True))
