@@ -86,3 +86,33 @@ def publish(name: str, section: str, lines: list[str], data: Any, readme: bool, 
     if readme:
         write_readme_section(section, lines)
     return path
+
+
+def interleaved_step_times(runs: dict[str, tuple[Any, Any]], steps: int, rounds: int) -> dict[str, list[float]]:
+    """Per system, ``steps`` timed training steps (``zero_grad``, ``step()``, ``opt.step``), in ``rounds`` rounds
+    that alternate the systems' order; each time is the max over ranks. ``runs``: name -> (step, optimizer).
+
+    Collective over the process group (a barrier before each system's turn, one all-reduce per system).
+    """
+    import time
+
+    import torch.distributed as dist
+
+    names = list(runs)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            step, opt = runs[name]
+            dist.barrier()
+            for _ in range(steps // rounds):
+                t = time.perf_counter()
+                opt.zero_grad()
+                step()
+                opt.step()
+                out[name].append(time.perf_counter() - t)
+    for name in names:
+        times = torch.tensor(out[name], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        out[name] = times.tolist()
+    return out
+

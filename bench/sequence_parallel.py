@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import environment, markdown_table, publish
+from common import environment, interleaved_step_times, markdown_table, publish
 from dtensor_baseline import count_collectives, dtensor_megatron
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -156,20 +156,8 @@ def rank_main() -> dict[str, Any]:
             row["saved"] = dtensor_saved_bytes(step)
         opt.zero_grad()
         out[name] = row
-    for r in range(ROUNDS):
-        for name in (SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]):
-            step, opt, _ = runs[name]
-            dist.barrier()
-            for _ in range(STEPS // ROUNDS):
-                t = time.perf_counter()
-                opt.zero_grad()
-                step()
-                opt.step()
-                out[name]["times"].append(time.perf_counter() - t)
-    for name in SYSTEMS:
-        times = torch.tensor(out[name]["times"], dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        out[name]["times"] = times.tolist()
+    for name, times in interleaved_step_times({n: runs[n][:2] for n in SYSTEMS}, STEPS, ROUNDS).items():
+        out[name]["times"] = times
     return out
 
 

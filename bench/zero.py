@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import environment, markdown_table, publish, ratio
+from common import environment, interleaved_step_times, markdown_table, publish, ratio
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -167,20 +167,8 @@ def rank_main() -> dict[str, Any]:
         else:
             row["bytes"] = dict(counter.bytes)
         out[name] = row
-    for r in range(ROUNDS):
-        for name in (SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]):
-            step, opt, _ = runs[name]
-            dist.barrier()
-            for _ in range(STEPS // ROUNDS):
-                t = time.perf_counter()
-                opt.zero_grad()
-                step()
-                opt.step()
-                out[name]["times"].append(time.perf_counter() - t)
-    for name in SYSTEMS:
-        times = torch.tensor(out[name]["times"], dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        out[name]["times"] = times.tolist()
+    for name, times in interleaved_step_times({n: runs[n][:2] for n in SYSTEMS}, STEPS, ROUNDS).items():
+        out[name]["times"] = times
     return out
 
 
