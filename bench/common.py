@@ -116,3 +116,16 @@ def interleaved_step_times(runs: dict[str, tuple[Any, Any]], steps: int, rounds:
         out[name] = times.tolist()
     return out
 
+
+def step_time_table(res: dict[str, Any], base: dict[str, str]) -> list[str]:
+    """Markdown rows of each system's median and min step time, its ratio to its baseline (``base[name]``) and
+    its first-step loss. ``res[name]`` holds ``"times"`` (seconds) and ``"first_loss"``."""
+    import statistics
+
+    rows = []
+    for name, r in res.items():
+        med = statistics.median(r["times"])
+        vs = f"{med / statistics.median(res[base[name]]['times']):.2f} vs {base[name]}" if name in base else ""
+        rows.append([name, f"{1e3 * med:.1f}", f"{1e3 * min(r['times']):.1f}", vs, f"{r['first_loss']:.6f}"])
+    return markdown_table(["system", "median step ms", "min ms", "step-time ratio", "first-step loss"], rows)
+

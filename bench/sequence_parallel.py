@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import environment, interleaved_step_times, markdown_table, publish
+from common import environment, interleaved_step_times, markdown_table, publish, step_time_table
 from dtensor_baseline import count_collectives, dtensor_megatron
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -167,17 +166,14 @@ def report(res: dict[str, Any]) -> list[str]:
     optimum = {"tp": f"all_reduce {4 * layers * bsh:,}",
                "tp+SP": f"all_gather {4 * layers * bsh:,}, reduce_scatter {4 * layers * bsh:,}"}
     base = {"fxpar tp": "DTensor tp", "fxpar tp+SP": "DTensor tp+SP"}
-    byte_rows, time_rows = [], []
+    byte_rows = []
     for name in SYSTEMS:
         r = res[name]
         ops = ", ".join(f"{op} {b:,}" for op, b in r["bytes"].items())
         byte_rows.append([name, ops, f"{sum(r['bytes'].values()):,}", optimum[name.split()[-1]], f"{r['saved']:,}"])
-        med = statistics.median(r["times"])
-        vs = f"{med / statistics.median(res[base[name]]['times']):.2f} vs {base[name]}" if name in base else ""
-        time_rows.append([name, f"{1e3 * med:.1f}", f"{1e3 * min(r['times']):.1f}", vs, f"{r['first_loss']:.6f}"])
     return [*markdown_table(["system", "tp bytes per step by op", "total", f"Megatron optimum in the {layers} layers",
                              "saved activations B"], byte_rows), "",
-            *markdown_table(["system", "median step ms", "min ms", "step-time ratio", "first-step loss"], time_rows),
+            *step_time_table({name: res[name] for name in SYSTEMS}, base),
             ""]
 
 

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import environment, interleaved_step_times, markdown_table, publish, ratio
+from common import environment, interleaved_step_times, markdown_table, publish, ratio, step_time_table
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -111,23 +111,20 @@ def build(name: str, model: Llama, tokens: torch.Tensor, counter: Counter) -> tu
         ddp = DistributedDataParallel(m)
         ddp.register_comm_hook(None, counter.ddp_hook())
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-
-        def ddp_step() -> torch.Tensor:
-            loss = next_token_loss(ddp(local), local)
-            loss.backward()
-            return _global_mean(loss)
-        return ddp_step, opt, ddp
+        return partial(_eager_step, ddp, local), opt, ddp
     reshard = name == "FSDP2 (ZeRO-3 mode)"
     for layer in m.layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(m, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    return partial(_eager_step, m, local), opt, m
 
-    def fsdp_step() -> torch.Tensor:
-        loss = next_token_loss(m(local), local)
-        loss.backward()
-        return _global_mean(loss)
-    return fsdp_step, opt, m
+
+def _eager_step(module: torch.nn.Module, local: torch.Tensor) -> torch.Tensor:
+    """Forward, loss and backward of PyTorch's own data parallelism (DDP or FSDP2); the global mean loss."""
+    loss = next_token_loss(module(local), local)
+    loss.backward()
+    return _global_mean(loss)
 
 
 def _global_mean(loss: torch.Tensor) -> torch.Tensor:
@@ -178,7 +175,7 @@ def report(res: dict[str, Any], psi: int) -> list[str]:
     optimum.update({k: {"all_gather": 2 * psi, "reduce_scatter": psi} for k in SYSTEMS[5:]})
     base = {"fxpar zero=0": "DDP", "fxpar zero=1": "FSDP2 (ZeRO-2 mode)", "fxpar zero=2": "FSDP2 (ZeRO-2 mode)",
             "fxpar zero=3": "FSDP2 (ZeRO-3 mode)"}
-    rows, mem_rows, time_rows = [], [], []
+    rows, mem_rows = [], []
     for name in SYSTEMS:
         r = res[name]
         sent = sum(r["bytes"].values())
@@ -188,13 +185,10 @@ def report(res: dict[str, Any], psi: int) -> list[str]:
         pred = r.get("predicted", {})
         mem_rows.append([name, f"{r['params']:,}", f"{r['grads']:,}", f"{r['optimizer']:,}",
                          ", ".join(f"{k} {v:,}" for k, v in pred.items()) or "-"])
-        med = statistics.median(r["times"])
-        vs = f"{med / statistics.median(res[base[name]]['times']):.2f} vs {base[name]}" if name in base else ""
-        time_rows.append([name, f"{1e3 * med:.1f}", f"{1e3 * min(r['times']):.1f}", vs, f"{r['first_loss']:.6f}"])
     return [*markdown_table(["system", "dp bytes per step by op", "total", "optimum", "total / optimum"], rows), "",
             *markdown_table(["system", "params B (measured)", "grads B", "Adam state B", "pm.memory predicts"],
                             mem_rows), "",
-            *markdown_table(["system", "median step ms", "min ms", "step-time ratio", "first-step loss"], time_rows),
+            *step_time_table({name: res[name] for name in SYSTEMS}, base),
             ""]
 
 
