@@ -88,12 +88,25 @@ def py_name(fqn: str) -> str:
     return name if name.isidentifier() and not keyword.iskeyword(name) else f"p_{name}"
 
 
-def local_shape(shape: torch.Size | tuple[int, ...], placements: Placements, sizes: tuple[int, ...]) -> list[int]:
+def chunk_size(total: int, n: int, index: int) -> int:
+    """Rows ``index`` of ``n`` holds of a dim of ``total``: DTensor's (``torch.chunk``'s) split, pieces of
+    ``ceil(total / n)`` first, then the remainder, then empty ones."""
+    ceil = -(-total // n)
+    return max(0, min(ceil, total - index * ceil))
+
+
+def local_shape(shape: torch.Size | tuple[int, ...], placements: Placements, sizes: tuple[int, ...],
+                coord: tuple[int, ...] | None = None) -> list[int]:
+    """This rank's shape of a tensor of global ``shape``. A dim its axis does not divide is split as DTensor
+    splits it (``chunk_size``), which needs the rank's ``coord``."""
     out = list(shape)
-    for p, n in zip(placements, sizes, strict=True):
+    for ax, (p, n) in enumerate(zip(placements, sizes, strict=True)):
         if isinstance(p, Shard):
-            assert out[p.dim] % n == 0, f"uneven shard of {tuple(shape)} on dim {p.dim} by {n}"
-            out[p.dim] //= n
+            if out[p.dim] % n == 0:
+                out[p.dim] //= n
+            else:
+                assert coord is not None, f"uneven shard of {tuple(shape)} on dim {p.dim} by {n} needs the rank"
+                out[p.dim] = chunk_size(out[p.dim], n, coord[ax])
     return out
 
 
@@ -174,7 +187,7 @@ class _Lowerer:
             current = list(self.prog.placements[producer])
             for step in steps:
                 current[self.mesh.axis_index(step.axis)] = step.dst
-                x = self.apply_step(x, step, tuple(current), module)
+                x = self.apply_step(x, step, tuple(current), module, self.prog.node(producer).meta["val"])
             self.cache[key] = self.restore_layout(x, self.prog.node(producer).meta["val"], dst, module)
         return self.cache[key]
 
@@ -184,11 +197,15 @@ class _Lowerer:
         A gather along dim d returns the collective's buffer moved back by ``movedim``, so its
         memory order differs from the global tensor's; kernels called below the dispatcher (the
         CPU flash-attention kernel reads the last dim as contiguous) assume the traced layout.
+        A slice of a contiguous value on a dim other than the first is not contiguous either, and
+        ``native_layer_norm_backward`` reads its ``mean``/``rstd`` as if it were: a value traced
+        contiguous is made contiguous again.
         """
         val = x.meta["val"]
         big = [i for i in range(val.ndim) if val.shape[i] > 1 and like.shape[i] > 1]
         order = stride_order(like)
-        if [i for i in stride_order(val) if i in big] == [i for i in order if i in big]:
+        same_order = [i for i in stride_order(val) if i in big] == [i for i in order if i in big]
+        if same_order and (val.is_contiguous() or not like.is_contiguous()):
             return x
         contiguous = {"memory_format": torch.contiguous_format}
         if order == list(range(like.ndim)):
@@ -198,48 +215,77 @@ class _Lowerer:
         inverse = [order.index(i) for i in range(like.ndim)]
         return self.emit(aten.permute.default, (y, inverse), placements=placements, module=module)
 
-    def apply_step(self, x: fx.Node, step: Step, after: Placements, module: str) -> fx.Node:
+    def apply_step(self, x: fx.Node, step: Step, after: Placements, module: str, like: torch.Tensor) -> fx.Node:
+        """One placement change on one axis of a value whose global form is ``like``."""
         n = self.mesh.axes[step.axis]
         g = self.group(step.axis)
         idx = self.coord[self.mesh.axis_index(step.axis)]
         if step.op == "slice":
-            d = step.dst.dim
-            size = x.meta["val"].shape[d] // n
-            return self.emit(aten.slice.Tensor, (x, d, idx * size, (idx + 1) * size), placements=after, module=module)
+            return self.own_chunk(x, step.dst.dim, n, idx, after, module)
         if step.op == "all_reduce":
             y = self.emit(c10d.all_reduce.default, (x, "sum", g), placements=after, module=module,
                           name=f"{x.name}_allreduce")
             self.record("all_reduce", step.axis, x.meta["val"], y)
             return self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_reduced")
         if step.op == "all_gather":
-            return self.gather(x, step.src.dim, n, g, step.axis, after, module)
+            return self.gather(x, step.src.dim, n, g, step.axis, after, module, total=like.shape[step.src.dim])
         if step.op == "reduce_scatter":
             return self.scatter(x, step.dst.dim, n, g, step.axis, after, module)
         # all_to_all (shard dim i -> shard dim j), done as a gather then a local slice
-        full = self.gather(x, step.src.dim, n, g, step.axis, None, module, ledger_op="all_to_all")
-        d = step.dst.dim
-        size = full.meta["val"].shape[d] // n
-        return self.emit(aten.slice.Tensor, (full, d, idx * size, (idx + 1) * size), placements=after, module=module)
+        full = self.gather(x, step.src.dim, n, g, step.axis, None, module, ledger_op="all_to_all",
+                           total=like.shape[step.src.dim])
+        return self.own_chunk(full, step.dst.dim, n, idx, after, module)
+
+    def own_chunk(self, x: fx.Node, d: int, n: int, idx: int, after: Any, module: str) -> fx.Node:
+        """This rank's piece of dim ``d`` of a value whole on this axis (DTensor's split, uneven sizes too)."""
+        total = x.meta["val"].shape[d]
+        start = idx * -(-total // n)
+        end = start + chunk_size(total, n, idx)
+        return self.emit(aten.slice.Tensor, (x, d, start, end), placements=after, module=module)
+
+    def _pad_rows(self, x0: fx.Node, rows: int, module: str) -> fx.Node:
+        """``x0`` with zero rows appended on dim 0 up to ``rows`` (all pieces of a collective have one size)."""
+        have = x0.meta["val"].shape[0]
+        if have == rows:
+            return x0
+        pad = [0, 0] * (x0.meta["val"].ndim - 1) + [0, rows - have]
+        return self.emit(aten.constant_pad_nd.default, (x0, pad, 0.0), module=module)
 
     def scatter(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
                 contiguous: bool = False) -> fx.Node:
-        """Reduce-scatter ``x`` (a partial sum) over ``axis``, keeping this rank's slice of dim ``d``."""
+        """Reduce-scatter ``x`` (a partial sum) over ``axis``, keeping this rank's slice of dim ``d``.
+
+        A dim ``n`` does not divide is padded with zero rows to ``n`` equal pieces; this rank then keeps
+        its DTensor-sized prefix of its piece.
+        """
+        total = x.meta["val"].shape[d]
+        ceil = -(-total // n)
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
+        x0 = self._pad_rows(x0, n * ceil, module)
         y = self.emit(c10d.reduce_scatter_tensor.default, (x0, "sum", n, g), placements=after, module=module,
                       name=f"{x.name}_reducescatter")
         self.record("reduce_scatter", axis, x0.meta["val"], y)
         y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_scattered")
+        mine = chunk_size(total, n, self.coord[self.mesh.axis_index(axis)])
+        if mine != ceil:
+            y = self.emit(aten.slice.Tensor, (y, 0, 0, mine), placements=after, module=module)
         return self._moved_back(y, d, after, module, contiguous)
 
     def gather(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
-               ledger_op: str = "all_gather", contiguous: bool = False) -> fx.Node:
+               ledger_op: str = "all_gather", contiguous: bool = False, total: int | None = None) -> fx.Node:
+        """All-gather ``x`` over ``axis`` along dim ``d``. With ``total`` (the gathered size) not divisible by
+        ``n``, each piece is padded to the largest and the padding (all at the end) is cut off after."""
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
+        if total is not None and total % n:
+            x0 = self._pad_rows(x0, -(-total // n), module)
         c = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module,
                       name=f"{x.name}_allgather")
         y = self.emit(c10d.wait_tensor.default, (c,), placements=after, module=module, name=f"{x.name}_gathered")
         self.record(ledger_op, axis, y.meta["val"], c)
+        if total is not None and total % n:
+            y = self.emit(aten.slice.Tensor, (y, 0, 0, total), placements=after, module=module)
         return self._moved_back(y, d, after, module, contiguous)
 
     def _moved_back(self, y: fx.Node, d: int, after: Any, module: str, contiguous: bool) -> fx.Node:
@@ -269,7 +315,7 @@ class _Lowerer:
         for fqn, name in self._zero_params():
             d = self.zero[fqn]
             val = self.prog.node(name).meta["val"]
-            shape = local_shape(val.shape, self.prog.placements[name], self.mesh.shape)
+            shape = local_shape(val.shape, self.prog.placements[name], self.mesh.shape, self.coord)
             shape[d] //= dp
             ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
             with self.fake:
@@ -304,7 +350,7 @@ class _Lowerer:
         val = node.meta["val"]
         new = self.graph.placeholder(self.local_names.get(node.name, node.name))
         with self.fake:
-            shape = local_shape(val.shape, p, self.mesh.shape)
+            shape = local_shape(val.shape, p, self.mesh.shape, self.coord)
             new.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
         new.meta.update(placements=p, module=self.prog.provenance[node.name].module, phase=self.phase)
         self.env[node.name] = new
@@ -380,7 +426,8 @@ class _Lowerer:
         target = node.target
         if target in SHAPE_ARG and isinstance(placements, tuple) and any(isinstance(p, Shard) for p in placements):
             i = SHAPE_ARG[target]
-            args = (*args[:i], local_shape(node.meta["val"].shape, placements, self.mesh.shape), *args[i + 1:])
+            shape = local_shape(node.meta["val"].shape, placements, self.mesh.shape, self.coord)
+            args = (*args[:i], shape, *args[i + 1:])
         if target in VIEWS and not _viewable(args[0].meta["val"], args[1], self.fake):
             # a layout that was viewable globally may not be locally (a gathered tensor is laid out
             # as the collective wrote it): the graph is functional, so a copying reshape is exact

@@ -247,7 +247,8 @@ class ParallelModule(torch.nn.Module):
     def add_local_grad(self, fqn: str, g: torch.Tensor) -> None:
         """Accumulate a local gradient shard into the parameter's ``.grad`` (a DTensor like the parameter)."""
         p = self.get_parameter(fqn)
-        grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else g
+        grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride()) if isinstance(p, DTensor) else g
         if p.grad is None:
             p.grad = grad
         else:

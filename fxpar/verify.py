@@ -185,7 +185,7 @@ def _tie_events(pm: Any, rank: int) -> list[Event]:
         prog = next(q for q in pm._compiled.stages if fqn in dict(q.signature.params))
         name = dict(prog.signature.params)[fqn]
         val = prog.node(name).meta["val"]
-        shape = tuple(local_shape(val.shape, prog.placements[name], pm.mesh.shape))
+        shape = tuple(local_shape(val.shape, prog.placements[name], pm.mesh.shape, pm.mesh.coord(rank)))
         out.append(Event("coll", "all_reduce", ranks, shape, val.dtype, f"tied weight {fqn}"))
     return out
 

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fxpar.errors import PlanError
 from fxpar.ir import Program, batch_placements
 from fxpar.pipeline import Context
-from fxpar.plan import SUPPORTED_AXES, check_divisible, param_tp_placement, resolve_plan
+from fxpar.plan import SUPPORTED_AXES, check_divisible, check_shardable, param_tp_placement, resolve_plan
 
 
 def annotate(prog: Program, ctx: Context) -> Program:
@@ -20,7 +20,8 @@ def annotate(prog: Program, ctx: Context) -> Program:
     ``pp`` replicates everything (each stage is its own program). A pipeline stage's received
     values are placed as the previous stage's outputs are (``batch_placements``).
     Raises PlanError for unknown axes, globs that match nothing and unsupported modules,
-    ValueError for shards that do not divide.
+    ValueError for a parameter dim smaller than its axis (a rank would be empty) and for a batch dp
+    does not divide. A parameter dim its axis does not divide is split as DTensor splits it.
     """
     mesh = prog.mesh
     for axis in mesh.names:
@@ -37,8 +38,8 @@ def annotate(prog: Program, ctx: Context) -> Program:
         for axis, n in mesh.axes.items():
             style = styles.get(path, "replicate") if axis == "tp" else "replicate"
             per_axis.append(param_tp_placement(modules[path], path, pname, style) if n > 1 else Replicate())
-        placements[name] = tuple(per_axis)
-        check_divisible(prog.node(name).meta["val"].shape, placements[name], mesh.shape,
+        placements[name] = tuple(per_axis)  # a dim the axis does not divide is split as DTensor does
+        check_shardable(prog.node(name).meta["val"].shape, placements[name], mesh.shape,
                         f"parameter {fqn!r} (module {path!r})")
     for _, name in prog.signature.buffers:
         placements[name] = tuple(Replicate() for _ in mesh.names)
@@ -51,5 +52,6 @@ def annotate(prog: Program, ctx: Context) -> Program:
             continue
         batch = Shard(0) if val.ndim >= 1 else Replicate()
         placements[name] = tuple(batch if (a == "dp" and n > 1) else Replicate() for a, n in mesh.axes.items())
-        check_divisible(val.shape, placements[name], mesh.shape, f"input {i - received} (the batch is sharded over dp)")
+        check_divisible(val.shape, placements[name], mesh.shape, f"input {i - received} (the batch is sharded over dp)",
+                        " (dp ranks average their gradients with equal weights, which needs equal local batches)")
     return prog.replace("annotate", placements=placements, notes={**prog.notes, "plan": styles})

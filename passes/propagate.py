@@ -8,7 +8,8 @@ chooses among them:
   ``add``/``sub`` of partials, scalar scaling, ``sum``. Anything else reduces it first. So the
   input gradients of q, k and v are summed while partial and reduced once (Megatron's
   optimum), and a residual ``add(R, P)`` reduces the partial block output.
-* Parameters are never gathered when another strategy exists; shards must divide evenly.
+* Parameters are never gathered when another strategy exists. A shard need not divide evenly (pieces
+  are DTensor's: ``torch.chunk`` sizes), but no rank's piece may be empty.
 * Otherwise the cheapest candidate in bytes moved wins; ties keep the inputs as they are.
 * With sequence parallelism, a value ``notes["sequence_parallel"]`` names costs its bytes when
   it is not ``Shard(1)`` over tp (as if it moved them), so those values stay sharded on the sequence dim.
@@ -248,8 +249,8 @@ def _allowed(node: fx.Node, cand: Candidate, cur: list[Placement], n: int) -> bo
         if isinstance(p, Partial) and not is_plain_sum(p):
             return False  # avg/max partials and DTensor's masked partials need more than a sum
     for p, v in zip(outs, vals, strict=False):
-        if isinstance(p, Shard) and isinstance(v, torch.Tensor) and v.shape[p.dim] % n:
-            return False
+        if isinstance(p, Shard) and isinstance(v, torch.Tensor) and v.shape[p.dim] < n:
+            return False  # an empty piece on some rank; uneven pieces are fine (DTensor's split)
     kept_partial = [isinstance(s, Partial) and isinstance(d, Partial) for s, d in zip(cur, cand.inputs, strict=True)]
     for src, dst in zip(cur, cand.inputs, strict=True):
         if isinstance(dst, Partial) and not isinstance(src, Partial):

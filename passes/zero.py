@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 
 from fxpar.ir import Program
-from fxpar.lower import local_shape
 from fxpar.pipeline import Context
 
 
@@ -34,7 +33,7 @@ def zero(prog: Program, ctx: Context) -> Program:
     replicated: list[str] = []
     for fqn, name in prog.signature.params:
         placements = prog.placements[name]
-        shape = local_shape(prog.node(name).meta["val"].shape, placements, mesh.shape)
+        shape = prog.node(name).meta["val"].shape  # the dims it may choose are not sharded: global = local
         taken = {p.dim for p in placements if isinstance(p, Shard)}
         dim = next((d for d in range(len(shape)) if d not in taken and shape[d] % dp == 0), None)
         if dim is None:

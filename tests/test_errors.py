@@ -69,12 +69,14 @@ def test_mesh_size_differs_from_world_size() -> None:
 # 3. divisibility -----------------------------------------------------------------------------------
 
 
-def test_sharded_dim_not_divisible_by_axis() -> None:
+def test_sharded_dim_smaller_than_axis() -> None:
+    # a dim the axis does not divide is split unevenly, as DTensor does (tests/test_uneven.py); one with fewer
+    # rows than ranks would leave a rank empty
     with pytest.raises(ValueError) as info:
-        fxpar.parallelize(mlp(hidden=30), fxpar.Mesh({"tp": 4}, fake=True), (torch.randn(8, 32),), plan=mlp_plan())
+        fxpar.parallelize(mlp(hidden=3), fxpar.Mesh({"tp": 4}, fake=True), (torch.randn(8, 32),), plan=mlp_plan())
     msg = str(info.value)
     assert "'up.weight'" in msg and "module 'up'" in msg
-    assert re.search(r"dim 0 has size 30\b", msg) and re.search(r"axis size 4\b", msg), msg
+    assert re.search(r"dim 0 has size 3, fewer than the mesh axis size 4\b", msg), msg
 
 
 def test_batch_not_divisible_by_dp() -> None:
@@ -83,6 +85,7 @@ def test_batch_not_divisible_by_dp() -> None:
     msg = str(info.value)
     assert "input 0" in msg and "dp" in msg, msg
     assert re.search(r"dim 0 has size 6\b", msg) and re.search(r"axis size 4\b", msg), msg
+    assert "equal local batches" in msg
 
 
 # 4. capture ----------------------------------------------------------------------------------------

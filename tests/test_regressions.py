@@ -9,6 +9,11 @@
    shards, and collective insertion refused it (NotImplementedError); propagation now keeps one axis per dim.
 4. tp=4 with a mix of rowwise/colwise attention projections and tied embeddings: a silent wrong answer
    (output error 5.2) with the same cause as 2.
+5. tp=3 with ``down`` and ``lm_head`` colwise, batch 2: the final norm ran replicated in forward but its backward
+   ran sequence-sharded, on ``mean``/``rstd`` sliced along dim 1 (not contiguous). ``native_layer_norm_backward``
+   reads them as contiguous: every gradient from the final norm up was wrong (0.05), the output right. Found
+   while adding uneven shards; the even case here failed the same way. Lowering now makes a redistributed
+   value contiguous again when the traced value was.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ CASES = {
         {"tp": 4},
         {"layers.*.attn.q": "rowwise", "layers.*.attn.k": "rowwise", "layers.*.attn.v": "colwise",
          "layers.*.attn.o": "rowwise", "layers.*.mlp.down": "colwise"}),
+    "layer_norm_backward_on_sliced_stats": (
+        TransformerSpec(layers=1, heads=1, kv_heads=1, head_dim=6, intermediate=12, vocab=30, norm="layer", seq=9),
+        {"tp": 3}, {"layers.*.mlp.down": "colwise", "lm_head": "colwise"}),
 }
 
 

@@ -337,10 +337,13 @@ def _output_leaves(out: Any) -> tuple[list[str], list[Any]]:
 
 
 def _shard_of(full: torch.Tensor, placements: Any, coord: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``placements`` (even shards, mesh-axis order)."""
+    """This rank's piece of ``full`` under ``placements`` (DTensor's split, uneven and empty pieces too)."""
+    from fxpar.lower import chunk_size
+
     for p, c, n in zip(placements, coord, sizes, strict=True):
         if isinstance(p, Shard):
-            full = full.chunk(n, p.dim)[c]
+            total = full.shape[p.dim]
+            full = full.narrow(p.dim, min(total, c * -(-total // n)), chunk_size(total, n, c))
     return full
 
 

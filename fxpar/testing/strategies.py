@@ -172,21 +172,27 @@ def models(kind: str | None = None) -> st.SearchStrategy[ModelSpec]:
 
 
 @st.composite
-def plans(draw: st.DrawFn, spec: ModelSpec, mesh: dict[str, int]) -> dict[str, str] | None:
+def plans(draw: st.DrawFn, spec: ModelSpec, mesh: dict[str, int], uneven: bool = False) -> dict[str, str] | None:
     """A tensor-parallel plan for ``spec`` on ``mesh``: each Linear gets a style whose sharded dim
-    divides ``tp`` (``colwise`` shards out_features, ``rowwise`` in_features), each Embedding
-    replicate or colwise. ``None`` when the mesh has no ``tp`` axis or nothing is drawn sharded."""
+    divides ``tp`` (``colwise`` shards out_features, ``rowwise`` in_features; with ``uneven``, any dim
+    of at least ``tp`` rows: DTensor's uneven split), each Embedding replicate or colwise. ``None``
+    when the mesh has no ``tp`` axis or nothing is drawn sharded."""
     tp = mesh.get("tp", 1)
     if tp == 1:
         return None
     plan: dict[str, str] = {}
     for path, (fan_in, fan_out) in spec.linears().items():
-        allowed = [s for s in STYLES if _divides(s, fan_in, fan_out, tp)]
+        allowed = [s for s in STYLES
+                   if _divides(s, fan_in, fan_out, tp) or (uneven and _fits(s, fan_in, fan_out, tp))]
         plan[path] = draw(st.sampled_from(allowed))
     for path, dim in spec.embeddings().items():
         plan[path] = draw(st.sampled_from(["replicate", "colwise"] if dim % tp == 0 else ["replicate"]))
     sharded = {k: v for k, v in plan.items() if v != "replicate"}
     return sharded or None
+
+
+def _fits(style: str, fan_in: int, fan_out: int, tp: int) -> bool:
+    return (style == "colwise" and fan_out >= tp) or (style == "rowwise" and fan_in >= tp)
 
 
 def _divides(style: str, fan_in: int, fan_out: int, tp: int) -> bool:
@@ -210,13 +216,14 @@ ZERO_MESHES = ({"dp": 2}, {"dp": 4}, {"dp": 2, "tp": 2})
 @st.composite
 def zero_cases(draw: st.DrawFn) -> tuple[ModelSpec, dict[str, int], Any, int]:
     """ZeRO-1/2/3 on a dp mesh (alone, dp=4, or with tp=2 and maybe sequence parallel): an MLP or a decoder
-    (hidden >= 8, see ``transformer_specs``), a random tp plan, one or two microbatches; (spec, mesh,
+    (hidden >= 8, see ``transformer_specs``), a random tp plan (dims tp need not divide), one or two
+    microbatches; (spec, mesh,
     ``fxpar.Plan``, batch)."""
     import fxpar
 
     mesh = draw(st.sampled_from(ZERO_MESHES))
     spec = draw(st.one_of(mlp_specs(), transformer_specs(min_hidden=8)))
-    tp = draw(plans(spec, mesh)) if "tp" in mesh else None
+    tp = draw(plans(spec, mesh, uneven=True)) if "tp" in mesh else None
     m = draw(st.sampled_from([1, 2]))
     batch = mesh["dp"] * m * draw(st.sampled_from([1, 2]))
     sp = draw(st.booleans()) if "tp" in mesh else False
@@ -241,7 +248,7 @@ def pipeline_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], An
     spec = dataclasses.replace(base, layers=draw(st.integers(4 if schedule == "interleaved-1f1b" else 2, 4)))
     stages = 4 if schedule == "interleaved-1f1b" else 2
     m = draw(st.sampled_from([2, 4] if schedule == "interleaved-1f1b" else [1, 2, 4]))
-    tp = draw(plans(spec, {"tp": 2})) if "tp" in mesh else None
+    tp = draw(plans(spec, {"tp": 2}, uneven=True)) if "tp" in mesh else None
     batch = mesh.get("dp", 1) * m * draw(st.sampled_from([1, 2]))
     zero = draw(st.sampled_from([0, 1, 2, 3])) if "dp" in mesh else 0
     sp = draw(st.booleans()) if "tp" in mesh else False
