@@ -135,7 +135,9 @@ def _microbatch_inputs(flat: list[Any], mesh: Mesh, m: int) -> list[Any]:
         return flat
     if batch % dp or (batch // dp) % m:
         raise PlanError(f"microbatches={m} does not divide the local batch: the global batch {batch} over dp={dp} "
-                        f"is {batch / dp:g} per rank; choose microbatches that divide it")
+                        f"is {batch / dp:g} per rank; choose microbatches that divide it (a batch dp does not "
+                        "divide works with microbatches=1 only: every microbatch runs one compiled program, so "
+                        "all of a rank's microbatches must have one size)")
     return [x[: batch // m] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch else x for x in flat]
 
 

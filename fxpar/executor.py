@@ -25,8 +25,9 @@ import torch.utils._pytree as pytree
 from fxpar.backends.comm import bind_groups
 from fxpar.backward_split import split_backward
 from fxpar.ir import Program, batch_placements
-from fxpar.lower import RankProgram, local_shape
+from fxpar.lower import RankProgram
 from fxpar.schedules import Action
+from fxpar.split import BATCH_AXIS, dp_share, splitter
 
 
 @dataclass(frozen=True)
@@ -40,14 +41,14 @@ class Boundary:
     has_grad: bool  # the receiver sends its gradient back
 
 
-def boundary_meta(prog: Program, mesh_shape: tuple[int, ...]) -> list[Boundary]:
-    """Every value ``prog``'s stage receives, in order."""
+def boundary_meta(prog: Program, coord: tuple[int, ...]) -> list[Boundary]:
+    """Every value ``prog``'s stage receives on the rank at mesh ``coord``, in order."""
     stage = prog.notes["stage"]
     with_grad = {name for name, _ in prog.signature.input_grads}
     out = []
     for value, name in zip(stage.received, prog.signature.inputs[: len(stage.received)], strict=True):
         val = prog.node(name).meta["val"]
-        shape = local_shape(val.shape, batch_placements(val, prog.mesh), mesh_shape)
+        shape = splitter(prog).local_shape(val.shape, batch_placements(val, prog.mesh), coord)
         out.append(Boundary(value, name, shape, val.dtype, name in with_grad))
     return out
 
@@ -109,7 +110,8 @@ class StepExecutor:
         self.m = compiled.microbatches
         self.reduce_each_microbatch = compiled.plan.zero >= 2  # ZeRO-2: reduce-scatter after every backward
         self.n_stages = len(compiled.stages)
-        self.recv_meta = {s: boundary_meta(p, self.mesh.shape) for s, p in enumerate(compiled.stages) if s > 0}
+        coord = self.mesh.coord(self.rank)
+        self.recv_meta = {s: boundary_meta(p, coord) for s, p in enumerate(compiled.stages) if s > 0}
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, mb_inputs: list[list[Any]], mb_targets: list[Any], trace: str | None) -> torch.Tensor:
@@ -279,8 +281,19 @@ class StepExecutor:
         if st.losses:
             per_rank = self.mesh.size // self.compiled.pp
             value = torch.stack([loss.double() for loss, _ in st.losses.values()]).mean() / per_rank
+            value = value * self.uneven_batch_weight()
         dist.all_reduce(value)
         return value.float()
+
+    def uneven_batch_weight(self) -> float:
+        """``dp * b_r / B``: how much more than ``1 / dp`` this rank's batch-mean loss weighs when dp does not
+        divide the batch ``B`` (``b_r`` samples here); 1 otherwise."""
+        dp = self.mesh.axes.get(BATCH_AXIS, 1)
+        if dp == 1:
+            return 1.0
+        share = dp_share(splitter(self.compiled.stages[-1]),
+                         self.mesh.coord(self.rank)[self.mesh.axis_index(BATCH_AXIS)], self.mesh)
+        return 1.0 if share == 1 / dp else share * dp
 
     def write_trace(self, path: str, events: list[dict[str, Any]]) -> None:
         gathered: list[Any] = [None] * dist.get_world_size()

@@ -109,10 +109,13 @@ def tensor_val(n: Any) -> torch.Tensor | None:
     return None
 
 
-def batch_placements(val: torch.Tensor, mesh: Mesh) -> Placements:
+def batch_placements(val: torch.Tensor, mesh: Mesh, batch: int | None = None) -> Placements:
     """Placements of a model output or a stage boundary value: batch-sharded (dim 0) on ``dp`` where
-    dp divides it, replicated on every other axis."""
+    dp divides it or it is a multiple of the global ``batch`` (split as ``fxpar.split`` says), replicated
+    on every other axis."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return tuple(Shard(0) if (a == "dp" and n > 1 and val.ndim and val.shape[0] % n == 0) else Replicate()
-                 for a, n in mesh.axes.items())
+    def batched(n: int) -> bool:
+        return bool(val.ndim) and (val.shape[0] % n == 0 or bool(batch) and val.shape[0] % batch == 0)
+
+    return tuple(Shard(0) if (a == "dp" and n > 1 and batched(n)) else Replicate() for a, n in mesh.axes.items())

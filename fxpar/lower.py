@@ -10,6 +10,7 @@ a forward graph and a backward graph. Collectives name their group symbolically
 from __future__ import annotations
 
 import keyword
+import math
 import operator
 import re
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ from torch.distributed.tensor import Shard
 
 from fxpar.ir import Placements, Program
 from fxpar.passes.insert_collectives import Step, consumed_tensors
+from fxpar.split import BATCH_AXIS, dp_share, splitter
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -88,28 +90,6 @@ def py_name(fqn: str) -> str:
     return name if name.isidentifier() and not keyword.iskeyword(name) else f"p_{name}"
 
 
-def chunk_size(total: int, n: int, index: int) -> int:
-    """Rows ``index`` of ``n`` holds of a dim of ``total``: DTensor's (``torch.chunk``'s) split, pieces of
-    ``ceil(total / n)`` first, then the remainder, then empty ones."""
-    ceil = -(-total // n)
-    return max(0, min(ceil, total - index * ceil))
-
-
-def local_shape(shape: torch.Size | tuple[int, ...], placements: Placements, sizes: tuple[int, ...],
-                coord: tuple[int, ...] | None = None) -> list[int]:
-    """This rank's shape of a tensor of global ``shape``. A dim its axis does not divide is split as DTensor
-    splits it (``chunk_size``), which needs the rank's ``coord``."""
-    out = list(shape)
-    for ax, (p, n) in enumerate(zip(placements, sizes, strict=True)):
-        if isinstance(p, Shard):
-            if out[p.dim] % n == 0:
-                out[p.dim] //= n
-            else:
-                assert coord is not None, f"uneven shard of {tuple(shape)} on dim {p.dim} by {n} needs the rank"
-                out[p.dim] = chunk_size(out[p.dim], n, coord[ax])
-    return out
-
-
 class _LazyEnv(dict):
     """Local values by global node name. A ZeRO-3 parameter's gathered value is registered in ``lazy``
     and emitted where the walk first asks for it, so each all-gather sits right before its first use."""
@@ -129,6 +109,7 @@ class _Lowerer:
     def __init__(self, prog: Program, rank: int) -> None:
         self.prog, self.rank, self.mesh = prog, rank, prog.mesh
         self.coord = self.mesh.coord(rank)
+        self.split = splitter(prog)
         self.graph = fx.Graph()
         self.env = _LazyEnv()
         self.cache: dict[tuple[str, Placements], fx.Node] = {}
@@ -219,9 +200,8 @@ class _Lowerer:
         """One placement change on one axis of a value whose global form is ``like``."""
         n = self.mesh.axes[step.axis]
         g = self.group(step.axis)
-        idx = self.coord[self.mesh.axis_index(step.axis)]
         if step.op == "slice":
-            return self.own_chunk(x, step.dst.dim, n, idx, after, module)
+            return self.own_piece(x, step.dst.dim, step.axis, after, module)
         if step.op == "all_reduce":
             y = self.emit(c10d.all_reduce.default, (x, "sum", g), placements=after, module=module,
                           name=f"{x.name}_allreduce")
@@ -234,14 +214,13 @@ class _Lowerer:
         # all_to_all (shard dim i -> shard dim j), done as a gather then a local slice
         full = self.gather(x, step.src.dim, n, g, step.axis, None, module, ledger_op="all_to_all",
                            total=like.shape[step.src.dim])
-        return self.own_chunk(full, step.dst.dim, n, idx, after, module)
+        return self.own_piece(full, step.dst.dim, step.axis, after, module)
 
-    def own_chunk(self, x: fx.Node, d: int, n: int, idx: int, after: Any, module: str) -> fx.Node:
-        """This rank's piece of dim ``d`` of a value whole on this axis (DTensor's split, uneven sizes too)."""
-        total = x.meta["val"].shape[d]
-        start = idx * -(-total // n)
-        end = start + chunk_size(total, n, idx)
-        return self.emit(aten.slice.Tensor, (x, d, start, end), placements=after, module=module)
+    def own_piece(self, x: fx.Node, d: int, axis: str, after: Any, module: str) -> fx.Node:
+        """This rank's piece of dim ``d`` of a value whole on ``axis`` (uneven sizes as ``fxpar.split`` says)."""
+        ax = self.mesh.axis_index(axis)
+        start, size = self.split.piece(x.meta["val"].shape[d], ax, self.coord[ax])
+        return self.emit(aten.slice.Tensor, (x, d, start, start + size), placements=after, module=module)
 
     def _pad_rows(self, x0: fx.Node, rows: int, module: str) -> fx.Node:
         """``x0`` with zero rows appended on dim 0 up to ``rows`` (all pieces of a collective have one size)."""
@@ -251,41 +230,63 @@ class _Lowerer:
         pad = [0, 0] * (x0.meta["val"].ndim - 1) + [0, rows - have]
         return self.emit(aten.constant_pad_nd.default, (x0, pad, 0.0), module=module)
 
+    def _pieces(self, total: int, axis: str) -> tuple[list[int], int, bool]:
+        """Piece sizes of ``total`` over ``axis``, the padded piece size, and whether the padding is all at
+        the end (DTensor's split: every piece but the last ones full)."""
+        sizes = self.split.sizes(total, self.mesh.axis_index(axis))
+        ceil = max(sizes)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        tail_padded = all(st == i * ceil or size == 0 for i, (st, size) in enumerate(zip(starts, sizes, strict=True)))
+        return sizes, ceil, tail_padded
+
     def scatter(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
-                contiguous: bool = False) -> fx.Node:
+                contiguous: bool = False, zero_shard: bool = False) -> fx.Node:
         """Reduce-scatter ``x`` (a partial sum) over ``axis``, keeping this rank's slice of dim ``d``.
 
-        A dim ``n`` does not divide is padded with zero rows to ``n`` equal pieces; this rank then keeps
-        its DTensor-sized prefix of its piece.
+        Uneven pieces are laid out as ``n`` pieces padded with zero rows to one size; this rank then keeps
+        its own rows of its piece. A ZeRO gradient shard (``zero_shard``) is split evenly: ZeRO shards a
+        parameter only on a dim dp divides.
         """
         total = x.meta["val"].shape[d]
-        ceil = -(-total // n)
+        sizes, ceil, tail_padded = ([total // n] * n, total // n, True) if zero_shard else self._pieces(total, axis)
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
-        x0 = self._pad_rows(x0, n * ceil, module)
+        if tail_padded:
+            x0 = self._pad_rows(x0, n * ceil, module)
+        else:
+            starts = [sum(sizes[:i]) for i in range(n)]
+            pieces = [self._pad_rows(self.emit(aten.slice.Tensor, (x0, 0, st, st + size), module=module), ceil, module)
+                      for st, size in zip(starts, sizes, strict=True)]
+            x0 = self.emit(aten.cat.default, (pieces,), module=module)
         y = self.emit(c10d.reduce_scatter_tensor.default, (x0, "sum", n, g), placements=after, module=module,
                       name=f"{x.name}_reducescatter")
         self.record("reduce_scatter", axis, x0.meta["val"], y)
         y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_scattered")
-        mine = chunk_size(total, n, self.coord[self.mesh.axis_index(axis)])
+        mine = sizes[self.coord[self.mesh.axis_index(axis)]]
         if mine != ceil:
             y = self.emit(aten.slice.Tensor, (y, 0, 0, mine), placements=after, module=module)
         return self._moved_back(y, d, after, module, contiguous)
 
     def gather(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
                ledger_op: str = "all_gather", contiguous: bool = False, total: int | None = None) -> fx.Node:
-        """All-gather ``x`` over ``axis`` along dim ``d``. With ``total`` (the gathered size) not divisible by
-        ``n``, each piece is padded to the largest and the padding (all at the end) is cut off after."""
+        """All-gather ``x`` over ``axis`` along dim ``d``. When the pieces of ``total`` (the gathered size) differ
+        in size, each is padded to the largest and the padding is cut out after."""
+        sizes, ceil, tail_padded = self._pieces(total, axis) if total is not None else ([], 0, True)
+        uneven = len(set(sizes)) > 1
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
-        if total is not None and total % n:
-            x0 = self._pad_rows(x0, -(-total // n), module)
+        if uneven:
+            x0 = self._pad_rows(x0, ceil, module)
         c = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module,
                       name=f"{x.name}_allgather")
         y = self.emit(c10d.wait_tensor.default, (c,), placements=after, module=module, name=f"{x.name}_gathered")
         self.record(ledger_op, axis, y.meta["val"], c)
-        if total is not None and total % n:
+        if uneven and tail_padded:
             y = self.emit(aten.slice.Tensor, (y, 0, 0, total), placements=after, module=module)
+        elif uneven:
+            rows = [self.emit(aten.slice.Tensor, (y, 0, i * ceil, i * ceil + size), module=module)
+                    for i, size in enumerate(sizes) if size]
+            y = self.emit(aten.cat.default, (rows,), placements=after, module=module)
         return self._moved_back(y, d, after, module, contiguous)
 
     def _moved_back(self, y: fx.Node, d: int, after: Any, module: str, contiguous: bool) -> fx.Node:
@@ -315,7 +316,7 @@ class _Lowerer:
         for fqn, name in self._zero_params():
             d = self.zero[fqn]
             val = self.prog.node(name).meta["val"]
-            shape = local_shape(val.shape, self.prog.placements[name], self.mesh.shape, self.coord)
+            shape = self.split.local_shape(val.shape, self.prog.placements[name], self.coord)
             shape[d] //= dp
             ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
             with self.fake:
@@ -350,17 +351,24 @@ class _Lowerer:
         val = node.meta["val"]
         new = self.graph.placeholder(self.local_names.get(node.name, node.name))
         with self.fake:
-            shape = local_shape(val.shape, p, self.mesh.shape, self.coord)
+            shape = self.split.local_shape(val.shape, p, self.coord)
             new.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
         new.meta.update(placements=p, module=self.prog.provenance[node.name].module, phase=self.phase)
         self.env[node.name] = new
         if self.zero3 and self.param_fqn.get(node.name) in self.zero:
             self.zero3_shard(node.name, new)
-        n_dp = self.mesh.axes.get("dp", 1)
-        if is_tangent and n_dp > 1 and self.loss_outputs and isinstance(p[self.mesh.axis_index("dp")], Shard):
-            # Each dp rank differentiates its own local loss; dividing the incoming gradient by
-            # dp makes parameter gradients the mean over dp ranks, as DDP and FSDP do.
-            self.env[node.name] = self.emit(aten.div.Tensor, (new, n_dp), placements=p, name=f"{node.name}_dp_mean")
+        n_dp = self.mesh.axes.get(BATCH_AXIS, 1)
+        if is_tangent and n_dp > 1 and self.loss_outputs and isinstance(p[self.mesh.axis_index(BATCH_AXIS)], Shard):
+            # Each dp rank differentiates its own local (batch-mean) loss; dividing the incoming gradient
+            # by dp makes parameter gradients the mean over dp ranks, as DDP and FSDP do. With a batch dp
+            # does not divide, rank r's loss is a mean over b_r of the B samples: its weight is b_r / B.
+            share = dp_share(self.split, self.coord[self.mesh.axis_index(BATCH_AXIS)], self.mesh)
+            if share == 1 / n_dp:
+                self.env[node.name] = self.emit(aten.div.Tensor, (new, n_dp), placements=p,
+                                                name=f"{node.name}_dp_mean")
+            else:
+                self.env[node.name] = self.emit(aten.mul.Tensor, (new, share), placements=p,
+                                                name=f"{node.name}_dp_share")
 
     def zero3_shard(self, name: str, ph: fx.Node) -> None:
         """ZeRO-3: the placeholder takes this rank's dp shard; its all-gather is emitted at the first use.
@@ -426,8 +434,10 @@ class _Lowerer:
         target = node.target
         if target in SHAPE_ARG and isinstance(placements, tuple) and any(isinstance(p, Shard) for p in placements):
             i = SHAPE_ARG[target]
-            shape = local_shape(node.meta["val"].shape, placements, self.mesh.shape, self.coord)
+            shape = self.split.local_shape(node.meta["val"].shape, placements, self.coord)
             args = (*args[:i], shape, *args[i + 1:])
+        if target in VIEWS:
+            self.check_uneven_view(node, placements)
         if target in VIEWS and not _viewable(args[0].meta["val"], args[1], self.fake):
             # a layout that was viewable globally may not be locally (a gathered tensor is laid out
             # as the collective wrote it): the graph is functional, so a copying reshape is exact
@@ -438,6 +448,28 @@ class _Lowerer:
             keep = [d for d in dims if shape[d] == 1]
             target, args = aten.squeeze.dims, (args[0], keep)
         return target, args
+
+    def check_uneven_view(self, node: fx.Node, placements: Any) -> None:
+        """Refuse a view whose uneven pieces would not line up on some rank of an axis (e.g. splitting a
+        tp-sharded dim of 100 into 4 x 25 at tp=3): no local view computes the global one there."""
+        src = node.args[0]
+        src_p = (self.prog.arg_placements.get(node.name) or (None,))[0]  # as the view consumes it
+        if not all(isinstance(p, tuple) and all(hasattr(q, "is_shard") for q in p) for p in (placements, src_p)):
+            return
+        out_val, in_val = node.meta["val"], src.meta["val"]
+        if self.split.is_even(out_val.shape, placements) and self.split.is_even(in_val.shape, src_p):
+            return
+        for ax, n in enumerate(self.mesh.shape):
+            for i in range(n):
+                coord = (*self.coord[:ax], i, *self.coord[ax + 1:])
+                have = math.prod(self.split.local_shape(in_val.shape, src_p, coord))
+                want = math.prod(self.split.local_shape(out_val.shape, placements, coord))
+                if have != want:
+                    raise NotImplementedError(
+                        f"{self.source or node.name}: viewing {tuple(in_val.shape)} as {tuple(out_val.shape)} "
+                        f"with uneven pieces over {self.mesh.names[ax]!r} ({tuple(src_p)} -> {tuple(placements)}): "
+                        f"rank {i} of that axis would hold {have} elements but need {want}; choose sizes the "
+                        "axis divides, or replicate the module that makes this value")
 
     def output(self, node: fx.Node, plan: dict) -> None:
         num_outputs = self.prog.signature.num_outputs
@@ -483,7 +515,7 @@ class _Lowerer:
             ph.meta.update(outs[pos - num_outputs].meta)
             if fqn in self.zero:  # ZeRO: each rank keeps the reduced shard of the gradient its parameter shard needs
                 results.append(self.scatter(ph, self.zero[fqn], self.mesh.axes["dp"], self.group("dp"), "dp", None,
-                                            fqn, contiguous=True))
+                                            fqn, contiguous=True, zero_shard=True))
                 continue
             y = self.emit(c10d.all_reduce.default, (ph, "sum", self.group("dp")), module=fqn,
                           name=f"{ph.name}_allreduce")

@@ -142,17 +142,6 @@ def param_tp_placement(module: torch.nn.Module, path: str, param: str, style: st
     return Shard(out_dim if style == "colwise" else in_dim)
 
 
-def check_divisible(shape: torch.Size, placements: tuple[Placement, ...], sizes: tuple[int, ...],
-                    what: str, why: str = "") -> None:
-    """Refuse a shard that does not divide evenly, naming the tensor, the dim and ``why`` it must."""
-    for p, n in zip(placements, sizes, strict=True):
-        if isinstance(p, Shard) and shape[p.dim] % n:
-            raise ValueError(
-                f"{what}: dim {p.dim} has size {shape[p.dim]}, which is not divisible by the mesh axis "
-                f"size {n}{why}; choose sizes that divide, or replicate it"
-            )
-
-
 def check_shardable(shape: torch.Size, placements: tuple[Placement, ...], sizes: tuple[int, ...],
                     what: str) -> None:
     """Refuse a shard that would leave a rank empty. Uneven pieces are fine (DTensor's ``torch.chunk`` split)."""

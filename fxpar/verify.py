@@ -164,7 +164,7 @@ def _transfers(pm: Any, rank: int, a: Action) -> list[Event]:
     c = pm._compiled
     direction = "F" if a.kind.endswith("_F") else "B"
     receiver_stage = a.stage + 1 if direction == "F" else a.stage
-    meta = boundary_meta(c.stages[receiver_stage], pm.mesh.shape)
+    meta = boundary_meta(c.stages[receiver_stage], pm.mesh.coord(rank))
     if direction == "B":
         meta = [b for b in meta if b.has_grad]
     coord = list(pm.mesh.coord(rank))
@@ -177,15 +177,15 @@ def _transfers(pm: Any, rank: int, a: Action) -> list[Event]:
 
 
 def _tie_events(pm: Any, rank: int) -> list[Event]:
-    from fxpar.lower import local_shape
     from fxpar.runtime import tie_ranks
+    from fxpar.split import splitter
 
     out = []
     for fqn, ranks in tie_ranks(pm._compiled, rank):
         prog = next(q for q in pm._compiled.stages if fqn in dict(q.signature.params))
         name = dict(prog.signature.params)[fqn]
         val = prog.node(name).meta["val"]
-        shape = tuple(local_shape(val.shape, prog.placements[name], pm.mesh.shape, pm.mesh.coord(rank)))
+        shape = tuple(splitter(prog).local_shape(val.shape, prog.placements[name], pm.mesh.coord(rank)))
         out.append(Event("coll", "all_reduce", ranks, shape, val.dtype, f"tied weight {fqn}"))
     return out
 

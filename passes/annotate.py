@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fxpar.errors import PlanError
 from fxpar.ir import Program, batch_placements
 from fxpar.pipeline import Context
-from fxpar.plan import SUPPORTED_AXES, check_divisible, check_shardable, param_tp_placement, resolve_plan
+from fxpar.plan import SUPPORTED_AXES, check_shardable, param_tp_placement, resolve_plan
 
 
 def annotate(prog: Program, ctx: Context) -> Program:
@@ -20,8 +20,9 @@ def annotate(prog: Program, ctx: Context) -> Program:
     ``pp`` replicates everything (each stage is its own program). A pipeline stage's received
     values are placed as the previous stage's outputs are (``batch_placements``).
     Raises PlanError for unknown axes, globs that match nothing and unsupported modules,
-    ValueError for a parameter dim smaller than its axis (a rank would be empty) and for a batch dp
-    does not divide. A parameter dim its axis does not divide is split as DTensor splits it.
+    ValueError for a parameter dim smaller than its axis and a batch smaller than dp (a rank would be
+    empty). A dim its axis does not divide is split as ``fxpar.split`` says (DTensor's split for
+    parameters; the first dp ranks one sample more for the batch).
     """
     mesh = prog.mesh
     for axis in mesh.names:
@@ -52,6 +53,9 @@ def annotate(prog: Program, ctx: Context) -> Program:
             continue
         batch = Shard(0) if val.ndim >= 1 else Replicate()
         placements[name] = tuple(batch if (a == "dp" and n > 1) else Replicate() for a, n in mesh.axes.items())
-        check_divisible(val.shape, placements[name], mesh.shape, f"input {i - received} (the batch is sharded over dp)",
-                        " (dp ranks average their gradients with equal weights, which needs equal local batches)")
+        dp = mesh.axes.get("dp", 1)
+        if dp > 1 and val.ndim >= 1 and val.shape[0] < dp:
+            raise ValueError(f"input {i - received}: a batch of {val.shape[0]} over dp={dp} leaves some dp rank "
+                             "without a sample (its batch-mean loss would be undefined); use a batch of at least "
+                             f"{dp} or a smaller dp axis")
     return prog.replace("annotate", placements=placements, notes={**prog.notes, "plan": styles})

@@ -30,6 +30,8 @@ from torch.distributed.tensor.placement_types import Placement
 from fxpar.ir import Program, batch_placements, tensor_val
 from fxpar.pipeline import Context
 from fxpar.rules import Candidate, candidates
+from fxpar.rules.batch_views import batch_view_candidate
+from fxpar.split import BATCH_AXIS, Splitter, splitter
 
 aten = torch.ops.aten
 
@@ -65,15 +67,16 @@ def propagate(prog: Program, ctx: Context) -> Program:
     arg_placements: dict[str, tuple[Any, ...]] = {}
     params = {name for _, name in prog.signature.params}
     param_like: set[str] = set(params)
-    outputs = _output_targets(prog, placements)
+    outputs = _output_targets(prog, placements, splitter(prog).batch)
     stream = prog.notes.get("sequence_parallel", frozenset())
     for name, idx in prog.signature.tangents:
         placements[name] = outputs[idx]
+    split = splitter(prog)
     for node in prog.graph.nodes:
         if node.op == "get_attr":
             placements[node.name] = _replicated(prog)
         elif node.op == "call_function":
-            _place_call(prog, node, placements, arg_placements, param_like, node.name in stream)
+            _place_call(prog, node, placements, arg_placements, param_like, split, node.name in stream)
         elif node.op == "output":
             arg_placements[node.name] = tuple(outputs)
     return prog.replace("propagate", placements=placements, arg_placements=arg_placements)
@@ -83,7 +86,7 @@ def _replicated(prog: Program) -> tuple[Placement, ...]:
     return tuple(Replicate() for _ in prog.mesh.names)
 
 
-def _output_targets(prog: Program, placements: dict[str, Any]) -> list[Any]:
+def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None) -> list[Any]:
     """Forward outputs: batch-sharded on dp, replicated elsewhere. Gradients: like the param."""
     out = prog.graph.output_node().args[0]
     sig = prog.signature
@@ -95,14 +98,15 @@ def _output_targets(prog: Program, placements: dict[str, Any]) -> list[Any]:
         if val is None:
             targets.append(None)
         elif i < sig.num_outputs:
-            targets.append(batch_placements(val, prog.mesh))
+            targets.append(batch_placements(val, prog.mesh, batch))
         else:
             targets.append(placements[grad_of[i]])
     return targets
 
 
 def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
-                arg_placements: dict[str, tuple[Any, ...]], param_like: set[str], stream: bool = False) -> None:
+                arg_placements: dict[str, tuple[Any, ...]], param_like: set[str], split: Splitter,
+                stream: bool = False) -> None:
     if node.target is __import__("operator").getitem:
         src = placements.get(node.args[0].name)
         if src is not None:
@@ -121,7 +125,11 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
             cand = Candidate(tuple(Replicate() for _ in cur), _all(val, Replicate()))
         else:
             sharded = stream and prog.mesh.names[ax] == "tp"
-            cand = _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out), sharded)
+            extra = None
+            if prog.mesh.names[ax] == BATCH_AXIS and len(cur) == 1 and isinstance(cur[0], Shard):
+                extra = batch_view_candidate(node, cur[0], split, ax)
+            cand = _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out), sharded,
+                           extra)
         per_axis_in.append(cand.inputs)
         per_axis_out.append(cand.output)
     arg_placements[node.name] = tuple(tuple(ins) for ins in zip(*per_axis_in, strict=True)) if tensor_args else ()
@@ -164,11 +172,11 @@ def _taken_dims(per_axis_in: list[tuple[Placement, ...]], per_axis_out: list[Any
 
 
 def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: int,
-            param_like: set[str], taken: Taken, sharded: bool = False) -> Candidate:
+            param_like: set[str], taken: Taken, sharded: bool = False, extra: Candidate | None = None) -> Candidate:
     """The cheapest allowed candidate on one axis; replicate everything if none is known.
 
     ``sharded``: the node is a sequence-parallel stream value on this axis (any placement but ``SEQUENCE``
-    costs its bytes).
+    costs its bytes). ``extra``: one more candidate from a rule outside DTensor's (``batch_views``).
     """
     args = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.args)
     kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
@@ -187,6 +195,8 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
                 found = (found or []) + (candidates(node.target, args, kwargs, hint, n) or [])
             except Exception:  # noqa: BLE001 - as above
                 pass
+    if extra is not None:
+        found = [*(found or []), extra]
     if found is None and str(node.target) not in _warned:
         _warned.add(str(node.target))
         warnings.warn(f"fxpar: no sharding rule for {node.target}; it runs replicated (inputs gathered)",

@@ -79,13 +79,20 @@ def test_sharded_dim_smaller_than_axis() -> None:
     assert re.search(r"dim 0 has size 3, fewer than the mesh axis size 4\b", msg), msg
 
 
-def test_batch_not_divisible_by_dp() -> None:
+def test_batch_smaller_than_dp() -> None:
+    # a batch dp does not divide is split unevenly (tests/test_uneven.py); one smaller than dp leaves a rank empty
     with pytest.raises(ValueError) as info:
-        fxpar.parallelize(mlp(), fxpar.Mesh({"dp": 4}, fake=True), (torch.randn(6, 32),))
+        fxpar.parallelize(mlp(), fxpar.Mesh({"dp": 4}, fake=True), (torch.randn(3, 32),))
     msg = str(info.value)
-    assert "input 0" in msg and "dp" in msg, msg
-    assert re.search(r"dim 0 has size 6\b", msg) and re.search(r"axis size 4\b", msg), msg
-    assert "equal local batches" in msg
+    assert "input 0" in msg and re.search(r"a batch of 3 over dp=4\b", msg), msg
+    assert "without a sample" in msg
+
+
+def test_uneven_batch_with_microbatches() -> None:
+    with pytest.raises(fxpar.PlanError, match=r"microbatches=2 does not divide the local batch.*microbatches=1 only"):
+        fxpar.parallelize(mlp(), fxpar.Mesh({"dp": 4}, fake=True), (torch.randn(6, 32),),
+                          plan=fxpar.Plan(microbatches=2), loss_fn=lambda out, y: out.mean(),
+                          example_targets=torch.randn(6, 32))
 
 
 # 4. capture ----------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.lower import chunk_size
 from fxpar.models.llama import hf_llama_plan, llama, llama_plan
+from fxpar.models.mlp import mlp
+from fxpar.split import chunk_size
 from fxpar.testing import assert_equivalent
 from fxpar.testing.error_models import next_token_loss
 
@@ -53,3 +54,27 @@ def test_local_shapes_follow_torch_chunk_and_gathers_pad_to_equal_pieces() -> No
         # the logits all-gather moves 4 equal pieces of 33 rows (the last rank pads 2), then drops the padding
         logits = [r for r in pm.ledger(rank) if r.op == "all_gather" and 132 in r.shape]
         assert len(logits) == 1 and logits[0].bytes == 132 * TOKENS.numel() * 4
+
+
+def test_batch_of_6_at_dp4_matches_single_device() -> None:
+    # the first dp ranks hold one more sample (2, 2, 1, 1): each rank's mean loss weighs b_r / B
+    tokens = TOKENS[:6]
+    model_fn = partial(llama, n_layers=2, vocab_size=130, intermediate=102)
+    assert_equivalent(model_fn, {"dp": 4}, None, (tokens,), steps=3, loss_fn=next_token_loss, targets=tokens)
+
+
+def test_uneven_batch_and_uneven_widths_with_zero2_forward_backward_path() -> None:
+    # pm(x) + loss.backward() (no loss_fn): the program scales its incoming gradient by b_r / B
+    x = torch.randn(5, 20, generator=torch.Generator().manual_seed(1))
+    # hidden 22 at tp=3 (8, 8, 6) with a LayerNorm over it: a mean and a variance over an uneven dim
+    model_fn = partial(mlp, dim=20, hidden=22, out=10, norm="layer")
+    assert_equivalent(model_fn, {"dp": 2, "tp": 3}, fxpar.Plan(tp={"up": "colwise", "down": "rowwise"}, zero=2),
+                      (x,), steps=3)
+
+
+def test_uneven_batch_pieces_are_tensor_split() -> None:
+    pm = fxpar.parallelize(llama(n_layers=1, vocab_size=130), fxpar.Mesh({"dp": 4}, fake=True), (TOKENS[:6],))
+    for rank, rows in enumerate([2, 2, 1, 1]):
+        inputs = [n for n in pm.rank_program(rank).forward.graph.nodes if n.op == "placeholder" and "input" in n.name]
+        assert tuple(inputs[0].meta["val"].shape) == (rows, 16)
+        assert f"mul(tangents_1, {rows / 6})" in pm.program(rank).replace("aten.mul.Tensor", "mul")

@@ -28,7 +28,9 @@ def _attention_candidates(tensors: list[torch.Tensor], mask: torch.Tensor | None
     out = [Candidate(tuple(Replicate() for _ in range(len(tensors) + (mask is not None))),
                      tuple(Replicate() for _ in range(n_out)))]
     for dim in (1, 0):  # heads first: it is what tensor parallel wants
-        if all(t.shape[dim] % n == 0 for t in tensors):
+        # heads must divide (query heads of a kv group stay together); every tensor has one batch size,
+        # so its pieces line up however the axis splits it (uneven batches too)
+        if all(t.shape[dim] % n == 0 if dim == 1 else t.shape[dim] >= n for t in tensors):
             ins = tuple(Shard(dim) for _ in tensors) + tuple(_mask_placement(mask, dim))
             out.append(Candidate(ins, tuple(Shard(dim) for _ in range(n_out))))
     return out

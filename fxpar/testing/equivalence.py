@@ -33,6 +33,7 @@ import fxpar
 from fxpar import serialize
 from fxpar.api import compile_program
 from fxpar.compiled import Compiled
+from fxpar.split import Splitter, balanced_sizes, chunk_sizes
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
 from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
 
@@ -197,7 +198,6 @@ def check_rank(case: Case) -> RankReport:
     opt = torch.optim.AdamW(pm.parameters(), lr=case.lr, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
     loss_fn = case.loss_fn or mean_square
-    coord, sizes = mesh.coord(rank), mesh.shape
     pcoord, psizes = _param_coord(mesh, rank)
     for step in range(case.steps):
         out, ref_out = pm(*local_inputs), reference(*case.inputs)
@@ -205,11 +205,12 @@ def check_rank(case: Case) -> RankReport:
         for name, got, want, placements in zip(names, pytree.tree_leaves(out), ref_leaves, pm.output_placements(),
                                                strict=True):
             if isinstance(want, torch.Tensor):
-                _compare(name, got, _shard_of(want, placements, coord, sizes), step, tol, report)
+                _compare(name, got, _output_shard(want, placements, mesh, rank, _batch(case.inputs)), step, tol,
+                         report)
         loss, ref_loss = loss_fn(out), loss_fn(ref_out)
         loss.backward()
         ref_loss.backward()
-        report.losses.append((_global_mean(loss, mesh), ref_loss.item()))
+        report.losses.append((_global_mean(loss, mesh, _batch_weight(mesh, rank, case.inputs)), ref_loss.item()))
         _compare_grads_and_step(case, pm, reference, opt, ref_opt, step, tol, report, pcoord, psizes)
     return report
 
@@ -324,10 +325,22 @@ def _build_twice(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def _dp_shard(inputs: tuple[Any, ...], mesh: fxpar.Mesh, rank: int) -> tuple[Any, ...]:
+    """This rank's dp piece of each batched input: ``torch.tensor_split``, as fxpar splits a batch."""
     if mesh.axes.get("dp", 1) == 1:
         return inputs
     dp, idx = mesh.axes["dp"], mesh.coord(rank)[mesh.axis_index("dp")]
-    return tuple(x.chunk(dp)[idx] if isinstance(x, torch.Tensor) and x.ndim else x for x in inputs)
+    return tuple(x.tensor_split(dp)[idx] if isinstance(x, torch.Tensor) and x.ndim else x for x in inputs)
+
+
+def _batch(inputs: tuple[Any, ...]) -> int | None:
+    return next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.ndim), None)
+
+
+def _batch_weight(mesh: fxpar.Mesh, rank: int, inputs: tuple[Any, ...]) -> float:
+    dp, batch = mesh.axes.get("dp", 1), _batch(inputs)
+    if dp == 1 or batch is None:
+        return 1.0
+    return dp * balanced_sizes(batch, dp)[mesh.coord(rank)[mesh.axis_index("dp")]] / batch
 
 
 def _output_leaves(out: Any) -> tuple[list[str], list[Any]]:
@@ -337,13 +350,21 @@ def _output_leaves(out: Any) -> tuple[list[str], list[Any]]:
 
 
 def _shard_of(full: torch.Tensor, placements: Any, coord: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``placements`` (DTensor's split, uneven and empty pieces too)."""
-    from fxpar.lower import chunk_size
-
+    """This rank's piece of ``full`` under a DTensor's ``placements`` (DTensor's split, uneven and empty pieces)."""
     for p, c, n in zip(placements, coord, sizes, strict=True):
         if isinstance(p, Shard):
-            total = full.shape[p.dim]
-            full = full.narrow(p.dim, min(total, c * -(-total // n)), chunk_size(total, n, c))
+            pieces = chunk_sizes(full.shape[p.dim], n)
+            full = full.narrow(p.dim, sum(pieces[:c]), pieces[c])
+    return full
+
+
+def _output_shard(full: torch.Tensor, placements: Any, mesh: fxpar.Mesh, rank: int, batch: int | None) -> torch.Tensor:
+    """This rank's piece of a model output (split as ``fxpar.split`` says: the batch's first dp ranks one more)."""
+    split, coord = Splitter(mesh.names, mesh.shape, batch), mesh.coord(rank)
+    for ax, p in enumerate(placements):
+        if isinstance(p, Shard):
+            start, size = split.piece(full.shape[p.dim], ax, coord[ax])
+            full = full.narrow(p.dim, start, size)
     return full
 
 
@@ -381,8 +402,9 @@ def _compare(name: str, got: torch.Tensor, want: torch.Tensor, step: int, tol: T
         report.mismatches.append(Mismatch(name, report.rank, step, max_abs, max_rel, rtol, atol))
 
 
-def _global_mean(loss: torch.Tensor, mesh: fxpar.Mesh) -> float:
-    """The mean over dp ranks of the local losses (every tp rank holds its dp shard's loss)."""
-    total = loss.detach().clone().float()
+def _global_mean(loss: torch.Tensor, mesh: fxpar.Mesh, weight: float) -> float:
+    """The mean over dp ranks of the local losses, each weighed by ``weight`` (``dp * b_r / B``: 1 when dp
+    divides the batch); every tp rank holds its dp shard's loss."""
+    total = loss.detach().clone().float() * weight
     dist.all_reduce(total)
     return total.item() / mesh.size

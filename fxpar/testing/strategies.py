@@ -202,11 +202,12 @@ def _divides(style: str, fan_in: int, fan_out: int, tp: int) -> bool:
 
 @st.composite
 def cases(draw: st.DrawFn, kind: str | None = None, max_world: int = 8) -> tuple[ModelSpec, dict[str, int], Any, int]:
-    """A whole property-test case: (spec, mesh, plan, batch); the batch divides ``dp``."""
+    """A whole property-test case: (spec, mesh, plan, batch). Widths tp does not divide are drawn too, and a
+    batch dp does not divide (one sample more than a multiple of dp) a third of the time."""
     mesh = draw(meshes(max_world))
     spec = draw(models(kind))
-    plan = draw(plans(spec, mesh))
-    batch = mesh.get("dp", 1) * draw(st.sampled_from([2, 1, 3]))
+    plan = draw(plans(spec, mesh, uneven=True))
+    batch = mesh.get("dp", 1) * draw(st.sampled_from([2, 1, 3])) + draw(st.sampled_from([0, 0, 1]))
     return spec, mesh, plan, batch
 
 
@@ -217,15 +218,15 @@ ZERO_MESHES = ({"dp": 2}, {"dp": 4}, {"dp": 2, "tp": 2})
 def zero_cases(draw: st.DrawFn) -> tuple[ModelSpec, dict[str, int], Any, int]:
     """ZeRO-1/2/3 on a dp mesh (alone, dp=4, or with tp=2 and maybe sequence parallel): an MLP or a decoder
     (hidden >= 8, see ``transformer_specs``), a random tp plan (dims tp need not divide), one or two
-    microbatches; (spec, mesh,
-    ``fxpar.Plan``, batch)."""
+    microbatches (with one, the batch may be one more than a multiple of dp); (spec, mesh, ``fxpar.Plan``,
+    batch)."""
     import fxpar
 
     mesh = draw(st.sampled_from(ZERO_MESHES))
     spec = draw(st.one_of(mlp_specs(), transformer_specs(min_hidden=8)))
     tp = draw(plans(spec, mesh, uneven=True)) if "tp" in mesh else None
     m = draw(st.sampled_from([1, 2]))
-    batch = mesh["dp"] * m * draw(st.sampled_from([1, 2]))
+    batch = mesh["dp"] * m * draw(st.sampled_from([1, 2])) + (draw(st.sampled_from([0, 1])) if m == 1 else 0)
     sp = draw(st.booleans()) if "tp" in mesh else False
     return spec, mesh, fxpar.Plan(tp=tp or {}, zero=draw(st.sampled_from([1, 2, 3])), microbatches=m,
                                   sequence_parallel=sp), batch
