@@ -135,6 +135,8 @@ class _Lowerer:
         self.zero3 = prog.notes.get("zero_level", 0) == 3
         self.param_fqn = {name: fqn for fqn, name in sig.params}
         self.gather_rows: list[LedgerRow] = []
+        self.recompute: frozenset[str] = prog.notes.get("recompute", frozenset())
+        self.recomputing = False  # lowering a node the backward recomputes: mark everything emitted for it
 
     # -- emission helpers -------------------------------------------------------------------
     def emit(self, target: Any, args: tuple, kwargs: dict | None = None, placements: Any = None,
@@ -145,6 +147,8 @@ class _Lowerer:
         with self.fake:
             node.meta["val"] = target(*vals[0], **vals[1])
         node.meta.update(placements=placements, module=module, phase=self.phase, source=self.source)
+        if self.recomputing:
+            node.meta["recompute"] = True
         return node
 
     def group(self, axis: str) -> str:
@@ -407,13 +411,19 @@ class _Lowerer:
         placements = self.prog.placements.get(node.name)
         if node.target is operator.getitem:
             src = self.env[node.args[0].name]
+            self.recomputing = node.name in self.recompute
             self.env[node.name] = self.emit(operator.getitem, (src, node.args[1]), placements=placements,
                                             module=module, name=node.name)
+            self.recomputing = False
             return
+        # "selective" saves what a collective returns (as torchtitan does); "full" runs the collectives again
+        self.recomputing = node.name in self.recompute and self.prog.notes.get("recompute_policy") == "full"
         local_args = self.local_inputs(node, plan, module)
+        self.recomputing = node.name in self.recompute
         args, kwargs = pytree.tree_map_only(fx.Node, lambda a: local_args[a.name], (node.args, node.kwargs))
         target, args = self.localize(node, args, placements)
         self.env[node.name] = self.emit(target, args, kwargs, placements=placements, module=module, name=node.name)
+        self.recomputing = False
 
     def local_inputs(self, node: fx.Node, plan: dict, module: str) -> dict[str, fx.Node]:
         out: dict[str, fx.Node] = {}
@@ -570,8 +580,9 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     saved values + tangents -> gradients.
 
     A forward value computed from ZeRO-3 parameter shards alone (their all-gather, a transpose of the
-    gathered weight) is not saved: the backward recomputes it from the shards (FSDP's re-gather), and
-    such nodes carry ``meta["recomputed"]``.
+    gathered weight) is not saved: the backward recomputes it from the shards (FSDP's re-gather). So
+    is every node the ``recompute`` pass chose (``meta["recompute"]``, with the collectives lowering
+    emitted for it). Recomputed copies carry ``meta["recomputed"]``.
     """
     out_node = joint.graph.output_node()
     outs = out_node.args[0]
@@ -580,7 +591,7 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     benv: dict[fx.Node, fx.Node] = {}
     saved: list[fx.Node] = []
 
-    from_shards = _from_zero3_shards(joint.graph)
+    from_shards = _from_zero3_shards(joint.graph) | {n for n in joint.graph.nodes if n.meta.get("recompute")}
 
     def bwd_arg(n: fx.Node) -> fx.Node:
         if n not in benv and n in from_shards:  # recompute it in the backward instead of saving it

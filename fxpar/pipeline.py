@@ -32,6 +32,7 @@ def passes() -> list[tuple[str, Pass]]:
     from fxpar.passes.annotate import annotate
     from fxpar.passes.insert_collectives import insert_collectives
     from fxpar.passes.propagate import propagate
+    from fxpar.passes.recompute import recompute
     from fxpar.passes.sequence_parallel import sequence_parallel
     from fxpar.passes.zero import zero
 
@@ -41,6 +42,7 @@ def passes() -> list[tuple[str, Pass]]:
         ("propagate", propagate),  # sharding through every op of the joint graph (fxpar policy on DTensor rules)
         ("insert_collectives", insert_collectives),  # placement changes -> explicit collectives + ledger
         ("zero", zero),  # zero>=1: which dim each parameter's dp shard is stored on (lowering gathers/scatters)
+        ("recompute", recompute),  # forward values the backward recomputes instead of saving (lowering copies them)
     ]
 
 

@@ -72,8 +72,11 @@ def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = No
                         f"got {type(plan).__name__}")
     if axes is not None:
         _check_axes(plan, axes)
-    unbuilt = {"recompute": plan.recompute,
-               "fp8": plan.fp8, "overlap": plan.overlap}
+    if plan.recompute not in (None, "selective", "full"):
+        what = ("a byte budget is not implemented in this version of fxpar" if isinstance(plan.recompute, int)
+                else f"got {plan.recompute!r}")
+        raise PlanError(f"recompute must be None, 'selective' or 'full' ({what})")
+    unbuilt = {"fp8": plan.fp8, "overlap": plan.overlap}
     for name, value in unbuilt.items():
         if value:
             raise PlanError(f"Plan({name}={value!r}) is not implemented in this version of fxpar; "

@@ -1,0 +1,79 @@
+"""Activation recompute (``Plan(recompute="full" | "selective")``): equivalence with the single device, the
+printed backward, the ledger's re-issued collectives, and saved bytes predicted = measured."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.models.llama import llama, llama_plan
+from fxpar.models.mlp import mlp
+from fxpar.testing import assert_equivalent, default_pool
+from fxpar.testing.error_models import next_token_loss
+from fxpar.testing.probes import measured_memory
+
+TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _activations(policy: str | None, layers: int = 4, **plan: object) -> int:
+    pm = fxpar.parallelize(llama(n_layers=layers), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
+                           plan=fxpar.Plan(tp=llama_plan(), recompute=policy, **plan))
+    return pm.memory(0).activations
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_at_tp2_matches_single_device(policy: str) -> None:
+    plan = fxpar.Plan(tp=llama_plan(), recompute=policy)
+    assert_equivalent(partial(llama, n_layers=2), {"tp": 2}, plan, (TOKENS,), steps=2, loss_fn=next_token_loss,
+                      targets=TOKENS)
+
+
+def test_full_recompute_with_zero3_tp2_and_sequence_parallel_matches_single_device() -> None:
+    plan = fxpar.Plan(tp=llama_plan(), zero=3, sequence_parallel=True, recompute="full")
+    assert_equivalent(partial(llama, n_layers=2), {"dp": 2, "tp": 2}, plan, (TOKENS,), steps=2,
+                      loss_fn=next_token_loss, targets=TOKENS)
+
+
+def test_saved_activations_full_at_most_a_quarter_of_none_and_selective_between() -> None:
+    none, selective, full = (_activations(p) for p in (None, "selective", "full"))
+    assert full * 4 <= none, (full, none)
+    assert full < selective < none, (full, selective, none)
+
+
+def test_full_saves_one_block_input_per_layer() -> None:
+    # four layers save 2 more block inputs than two: b_local * s * hidden fp32 each (hidden 64)
+    per_layer = (_activations("full", 4) - _activations("full", 2)) // 2
+    assert per_layer == TOKENS.numel() * 64 * 4
+
+
+def test_recomputed_ops_and_collectives_show_in_backward_and_ledger() -> None:
+    plan = fxpar.Plan(tp=llama_plan(), sequence_parallel=True, recompute="full")
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,), plan=plan)
+    backward = pm.program(0).split("def backward", 1)[1]
+    assert "recomputed" in backward
+    base = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
+                             plan=fxpar.Plan(tp=llama_plan(), sequence_parallel=True))
+
+    def gathers(p: fxpar.ParallelModule) -> int:
+        return sum(1 for r in p.ledger(0) if r.phase == "bwd" and r.op == "all_gather")
+
+    assert gathers(pm) > gathers(base)  # the SP all-gathers inside each block run again in backward
+    fxpar.verify(pm)
+
+
+def test_predicted_saved_bytes_equal_measured() -> None:
+    plan = fxpar.Plan(tp=llama_plan(), recompute="selective")
+    for r in default_pool().run(measured_memory, 2, llama, {"tp": 2}, plan, TOKENS, next_token_loss, timeout=300):
+        assert r["predicted"].activations == r["saved_per_microbatch"]
+
+
+def test_bad_recompute_values_are_clear_errors() -> None:
+    with pytest.raises(fxpar.PlanError, match="recompute must be"):
+        fxpar.parallelize(llama(n_layers=1), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
+                          plan=fxpar.Plan(recompute="everything"))
+    with pytest.raises(fxpar.PlanError, match="no repeated blocks"):
+        fxpar.parallelize(mlp(), fxpar.Mesh({"tp": 2}, fake=True), (torch.randn(4, 32),),
+                          plan=fxpar.Plan(recompute="full"))
