@@ -9,6 +9,7 @@
 4. ``pipeline.py``: pipeline bubble from real traces vs the simulator, and fxpar vs torch.distributed.pipelining;
 5. ``zero.py``: fxpar zero=0 vs DDP and zero=1/2/3 vs FSDP2: bytes vs optimum, memory per rank, step time;
 6. ``sequence_parallel.py``: fxpar tp and tp+SP vs DTensor's: bytes vs optimum, saved activations, step time.
+7. ``recompute.py``: saved activations per recompute policy (predicted, measured, formula) and step time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def commands(layers: str, repeats: int) -> list[list[str]]:
             [py, os.path.join(HERE, "compare_dtensor.py"), "--repeats", str(repeats)],
             [py, os.path.join(HERE, "pipeline.py")],
             [py, os.path.join(HERE, "zero.py")],
-            [py, os.path.join(HERE, "sequence_parallel.py")]]
+            [py, os.path.join(HERE, "sequence_parallel.py")],
+            [py, os.path.join(HERE, "recompute.py")]]
 
 
 def main() -> None:

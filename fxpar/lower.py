@@ -137,6 +137,7 @@ class _Lowerer:
         self.gather_rows: list[LedgerRow] = []
         self.recompute: frozenset[str] = prog.notes.get("recompute", frozenset())
         self.recomputing = False  # lowering a node the backward recomputes: mark everything emitted for it
+        self.for_node = ""  # the global node being lowered (the recompute budget measures trials by it)
 
     # -- emission helpers -------------------------------------------------------------------
     def emit(self, target: Any, args: tuple, kwargs: dict | None = None, placements: Any = None,
@@ -147,6 +148,7 @@ class _Lowerer:
         with self.fake:
             node.meta["val"] = target(*vals[0], **vals[1])
         node.meta.update(placements=placements, module=module, phase=self.phase, source=self.source)
+        node.meta["for_node"] = self.for_node
         if self.recomputing:
             node.meta["recompute"] = True
         return node
@@ -409,6 +411,7 @@ class _Lowerer:
         if node.target in DROPPED:
             return
         placements = self.prog.placements.get(node.name)
+        self.for_node = node.name
         if node.target is operator.getitem:
             src = self.env[node.args[0].name]
             self.recomputing = node.name in self.recompute
@@ -417,7 +420,7 @@ class _Lowerer:
             self.recomputing = False
             return
         # "selective" saves what a collective returns (as torchtitan does); "full" runs the collectives again
-        self.recomputing = node.name in self.recompute and self.prog.notes.get("recompute_policy") == "full"
+        self.recomputing = node.name in self.recompute and self.prog.notes.get("recompute_policy") != "selective"
         local_args = self.local_inputs(node, plan, module)
         self.recomputing = node.name in self.recompute
         args, kwargs = pytree.tree_map_only(fx.Node, lambda a: local_args[a.name], (node.args, node.kwargs))

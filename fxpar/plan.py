@@ -72,10 +72,9 @@ def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = No
                         f"got {type(plan).__name__}")
     if axes is not None:
         _check_axes(plan, axes)
-    if plan.recompute not in (None, "selective", "full"):
-        what = ("a byte budget is not implemented in this version of fxpar" if isinstance(plan.recompute, int)
-                else f"got {plan.recompute!r}")
-        raise PlanError(f"recompute must be None, 'selective' or 'full' ({what})")
+    budget = isinstance(plan.recompute, int) and not isinstance(plan.recompute, bool) and plan.recompute >= 0
+    if plan.recompute not in (None, "selective", "full") and not budget:
+        raise PlanError(f"recompute must be None, 'selective', 'full' or a byte budget (int), got {plan.recompute!r}")
     unbuilt = {"fp8": plan.fp8, "overlap": plan.overlap}
     for name, value in unbuilt.items():
         if value:

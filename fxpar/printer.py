@@ -132,8 +132,21 @@ def header(prog: Program, rp: RankProgram, extra: list[str] | None = None) -> st
         f"# fxpar program | rank {rp.rank} of {mesh.size} | mesh {mesh.describe()} | coord ({coord})",
         f"# groups  {groups or '(none)'}",
         *(extra or []),
+        *_recompute_line(prog, rp),
         f"# passes  {' > '.join((*prog.passes, 'lower'))}",
     ])
+
+
+def _recompute_line(prog: Program, rp: RankProgram) -> list[str]:
+    """What the recompute pass chose: the policy, how many forward ops the backward reruns, the bytes saved."""
+    policy = prog.notes.get("recompute_policy")
+    if policy is None:
+        return []
+    from fxpar.memory import saved_bytes
+
+    redone = sum(1 for n in rp.backward.graph.nodes if n.meta.get("recomputed"))
+    saved = saved_bytes(rp.forward, prog.signature.num_outputs)
+    return [f"# recompute  {policy}: the backward reruns {redone} forward ops; the forward saves {saved:,} B"]
 
 
 def print_rank_program(prog: Program, rp: RankProgram, verbosity: int = 1, extra: list[str] | None = None,

@@ -3,6 +3,7 @@ printed backward, the ledger's re-issued collectives, and saved bytes predicted 
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import pytest
@@ -18,23 +19,43 @@ from fxpar.testing.probes import measured_memory
 TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
 
 
-def _activations(policy: str | None, layers: int = 4, **plan: object) -> int:
+@functools.cache
+def _activations(policy: str | int | None, layers: int = 4) -> int:
+    """Rank 0's saved bytes on a fake tp=2 mesh, Llama with ``layers`` layers (hidden 64)."""
     pm = fxpar.parallelize(llama(n_layers=layers), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
-                           plan=fxpar.Plan(tp=llama_plan(), recompute=policy, **plan))
+                           plan=fxpar.Plan(tp=llama_plan(), recompute=policy))
     return pm.memory(0).activations
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
-def test_recompute_at_tp2_matches_single_device(policy: str) -> None:
+POLICIES = ["full", "selective", 200_000]  # 200 kB: between full (~60 kB at 2 layers) and none
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_recompute_at_tp2_matches_single_device(policy: str | int) -> None:
     plan = fxpar.Plan(tp=llama_plan(), recompute=policy)
     assert_equivalent(partial(llama, n_layers=2), {"tp": 2}, plan, (TOKENS,), steps=2, loss_fn=next_token_loss,
                       targets=TOKENS)
 
 
-def test_full_recompute_with_zero3_tp2_and_sequence_parallel_matches_single_device() -> None:
-    plan = fxpar.Plan(tp=llama_plan(), zero=3, sequence_parallel=True, recompute="full")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_recompute_with_zero3_tp2_and_sequence_parallel_matches_single_device(policy: str | int) -> None:
+    plan = fxpar.Plan(tp=llama_plan(), zero=3, sequence_parallel=True, recompute=policy)
     assert_equivalent(partial(llama, n_layers=2), {"dp": 2, "tp": 2}, plan, (TOKENS,), steps=2,
                       loss_fn=next_token_loss, targets=TOKENS)
+
+
+@pytest.mark.parametrize("budget", [120_000, 150_000, 300_000, 2_000_000])
+def test_budget_is_respected_and_spends_it_on_matmuls(budget: int) -> None:
+    saved = _activations(budget)
+    assert _activations("full") <= saved <= budget
+    assert saved <= _activations("selective")  # beyond selective's bytes only cheap ops are left to save
+    if budget >= _activations("selective"):
+        assert saved == _activations("selective")
+
+
+def test_budget_below_the_block_inputs_is_a_clear_error() -> None:
+    with pytest.raises(fxpar.PlanError, match=r"recompute budget 1,000 B is below the minimum .* B \(every block's"):
+        _activations(1000)
 
 
 def test_saved_activations_full_at_most_a_quarter_of_none_and_selective_between() -> None:
@@ -71,9 +92,17 @@ def test_predicted_saved_bytes_equal_measured() -> None:
 
 
 def test_bad_recompute_values_are_clear_errors() -> None:
-    with pytest.raises(fxpar.PlanError, match="recompute must be"):
+    with pytest.raises(fxpar.PlanError, match="recompute must be None"):
         fxpar.parallelize(llama(n_layers=1), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
                           plan=fxpar.Plan(recompute="everything"))
     with pytest.raises(fxpar.PlanError, match="no repeated blocks"):
         fxpar.parallelize(mlp(), fxpar.Mesh({"tp": 2}, fake=True), (torch.randn(4, 32),),
                           plan=fxpar.Plan(recompute="full"))
+
+
+@pytest.mark.parametrize("policy", ["full", 150_000])
+def test_recompute_in_pipeline_stages_matches_single_device(policy: str | int) -> None:
+    # each stage recomputes its own blocks; the budget holds per stage program
+    plan = fxpar.Plan(stages=2, schedule="1f1b", microbatches=2, recompute=policy)
+    assert_equivalent(partial(llama, n_layers=4), {"pp": 2}, plan, (TOKENS,), steps=2, loss_fn=next_token_loss,
+                      targets=TOKENS)
