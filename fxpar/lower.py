@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
 
 from fxpar.ir import Placements, Program
+from fxpar.overlap import inline_reduction, overlap
 from fxpar.passes.insert_collectives import Step, consumed_tensors
 from fxpar.split import BATCH_AXIS, dp_share, splitter
 
@@ -522,21 +523,53 @@ class _Lowerer:
         main, self.graph, self.phase = self.graph, fx.Graph(), "bwd"
         outs = backward.graph.output_node().args[0]
         num_outputs = self.prog.signature.num_outputs
-        results = []
+        placeholders = {}
         for pos, fqn, _ in self.deferred:
-            ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
+            placeholders[fqn] = ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
             ph.meta.update(outs[pos - num_outputs].meta)
-            if fqn in self.zero:  # ZeRO: each rank keeps the reduced shard of the gradient its parameter shard needs
-                results.append(self.scatter(ph, self.zero[fqn], self.mesh.axes["dp"], self.group("dp"), "dp", None,
-                                            fqn, contiguous=True, zero_shard=True))
-                continue
+        results: dict[str, fx.Node] = {}
+        for bucket in self.buckets(placeholders):
+            if bucket[0] in self.zero:  # ZeRO: each rank keeps the reduced shard its parameter shard needs
+                results[bucket[0]] = self.scatter(placeholders[bucket[0]], self.zero[bucket[0]],
+                                                  self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
+                                                  contiguous=True, zero_shard=True)
+            else:
+                results.update(self.all_reduce_bucket([(fqn, placeholders[fqn]) for fqn in bucket]))
+        self.graph.output(tuple(results[fqn] for _, fqn, _ in self.deferred))
+        graph, self.graph = self.graph, main
+        return graph
+
+    def buckets(self, placeholders: dict[str, fx.Node]) -> list[list[str]]:
+        """The gradients this graph reduces, one collective per list: a ZeRO shard's reduce-scatter alone, then
+        the overlap pass's buckets of all-reduced ones (without it, one all-reduce per gradient, in order)."""
+        planned = self.prog.notes.get("overlap", {}).get("buckets")
+        if planned is None:
+            return [[fqn] for fqn in placeholders]
+        return [[fqn] for fqn in placeholders if fqn in self.zero] + [
+            kept for bucket in planned if (kept := [fqn for fqn in bucket if fqn in placeholders])]
+
+    def all_reduce_bucket(self, grads: list[tuple[str, fx.Node]]) -> dict[str, fx.Node]:
+        """One dp all-reduce of the gradients ``grads`` (flattened into one buffer when more than one)."""
+        if len(grads) == 1:
+            fqn, ph = grads[0]
             y = self.emit(c10d.all_reduce.default, (ph, "sum", self.group("dp")), module=fqn,
                           name=f"{ph.name}_allreduce")
             self.record("all_reduce", "dp", ph.meta["val"], y)
-            results.append(self.emit(c10d.wait_tensor.default, (y,), module=fqn, name=f"{ph.name}_reduced"))
-        self.graph.output(tuple(results))
-        graph, self.graph = self.graph, main
-        return graph
+            return {fqn: self.emit(c10d.wait_tensor.default, (y,), module=fqn, name=f"{ph.name}_reduced")}
+        module = f"bucket of {len(grads)}: {grads[0][0]} .. {grads[-1][0]}"
+        flat = [self.emit(aten.reshape.default, (ph, [-1]), module=fqn) for fqn, ph in grads]
+        buf = self.emit(aten.cat.default, (flat,), module=module)
+        y = self.emit(c10d.all_reduce.default, (buf, "sum", self.group("dp")), module=module,
+                      name=f"bucket_{grads[0][1].name}_allreduce")
+        self.record("all_reduce", "dp", buf.meta["val"], y)
+        reduced = self.emit(c10d.wait_tensor.default, (y,), module=module, name=f"bucket_{grads[0][1].name}_reduced")
+        out, start = {}, 0
+        for fqn, ph in grads:
+            n = ph.meta["val"].numel()
+            piece = self.emit(aten.slice.Tensor, (reduced, 0, start, start + n), module=fqn)
+            out[fqn] = self.emit(aten.view.default, (piece, list(ph.meta["val"].shape)), module=fqn)
+            start += n
+        return out
 
 
 def stride_order(t: torch.Tensor) -> list[int]:
@@ -563,18 +596,32 @@ def lower(prog: Program, rank: int) -> RankProgram:
         setattr(root, name, value)
     joint = fx.GraphModule(root, graph)
     fwd, bwd, saved = split_joint(joint, prog.signature.num_outputs, root)
-    # the ledger in the order the graphs issue: forward, then backward (recomputed collectives re-issued there)
-    lowerer.ledger = [r for r in lowerer.ledger if r.phase == "fwd"] + [
-        replace(n.meta["ledger_row"], phase="bwd") for n in bwd.graph.nodes if "ledger_row" in n.meta]
     reduce_graph = lowerer.reduce_grads_graph(bwd)
     gather_graph = lowerer.gather_params_graph()
+    settings = prog.notes.get("overlap")
+    deferred = [(pos - prog.signature.num_outputs, fqn) for pos, fqn, _ in lowerer.deferred]
+    if settings is not None:
+        if settings["in_backward"] and reduce_graph is not None:  # bucket all-reduces issued inside the backward
+            inline_reduction(bwd.graph, reduce_graph, [pos for pos, _ in deferred])
+            reduce_graph, deferred = None, []
+        overlap(fwd.graph)
+        overlap(bwd.graph)
+        fwd.recompile()
+        bwd.recompile()
+    # the ledger in the order the graphs issue: forward, backward (recomputed collectives re-issued there), reduction
+    lowerer.ledger = [*_rows(fwd.graph, "fwd"), *_rows(bwd.graph, "bwd"),
+                      *(_rows(reduce_graph, "bwd") if reduce_graph is not None else [])]
     stage = prog.notes.get("stage")
     return RankProgram(rank, lowerer.coord, joint, fwd, bwd, saved, lowerer.ledger, lowerer.groups,
-                       deferred=[(pos - prog.signature.num_outputs, fqn) for pos, fqn, _ in lowerer.deferred],
+                       deferred=deferred,
                        reduce_grads=fx.GraphModule(root, reduce_graph) if reduce_graph is not None else None,
                        stage=stage.index if stage is not None else 0, zero=dict(lowerer.zero),
                        gather_params=fx.GraphModule(root, gather_graph) if gather_graph is not None else None,
                        gather_ledger=lowerer.gather_rows)
+
+
+def _rows(graph: fx.Graph, phase: str) -> list[LedgerRow]:
+    return [replace(n.meta["ledger_row"], phase=phase) for n in graph.nodes if "ledger_row" in n.meta]
 
 
 def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module

@@ -31,6 +31,7 @@ def passes() -> list[tuple[str, Pass]]:
     """The pass pipeline, in order."""
     from fxpar.passes.annotate import annotate
     from fxpar.passes.insert_collectives import insert_collectives
+    from fxpar.passes.overlap import overlap
     from fxpar.passes.propagate import propagate
     from fxpar.passes.recompute import recompute
     from fxpar.passes.sequence_parallel import sequence_parallel
@@ -43,6 +44,7 @@ def passes() -> list[tuple[str, Pass]]:
         ("insert_collectives", insert_collectives),  # placement changes -> explicit collectives + ledger
         ("zero", zero),  # zero>=1: which dim each parameter's dp shard is stored on (lowering gathers/scatters)
         ("recompute", recompute),  # forward values the backward recomputes instead of saving (lowering copies them)
+        ("overlap", overlap),  # dp gradient buckets; lowering issues collectives early and waits late
     ]
 
 

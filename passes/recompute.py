@@ -47,7 +47,8 @@ def recompute(prog: Program, ctx: Context) -> Program:
     if policy not in POLICIES and (not isinstance(policy, int) or isinstance(policy, bool) or policy < 0):
         raise PlanError(f"recompute must be None, 'selective', 'full' or a byte budget (int), got {policy!r}")
     block_of = {n: _block(prog, n) for n in prog.graph.nodes}
-    chosen = _closed({n for n in prog.graph.nodes if _recomputable(n, block_of, policy == "selective")})
+    backward = {n for n in prog.graph.nodes if is_backward(prog, n)}
+    chosen = _closed({n for n in prog.graph.nodes if _recomputable(n, block_of, backward, policy == "selective")})
     if not chosen:
         raise PlanError("recompute: the model has no repeated blocks (module paths like 'layers.0') to recompute; "
                         "leave recompute=None")
@@ -141,11 +142,18 @@ def _block(prog: Program, node: fx.Node) -> str | None:
     return match.group(1) if match else None
 
 
-def _recomputable(node: fx.Node, block_of: dict[fx.Node, str | None], save_matmuls: bool) -> bool:
-    if node.op != "call_function" or node.meta.get("phase") == "bwd" or node.target in RANDOM:
+def is_backward(prog: Program, node: fx.Node) -> bool:
+    """Whether a node of the Program's joint graph belongs to the backward (its capture provenance says so)."""
+    prov = prog.provenance.get(node.name)
+    return prov is not None and prov.phase == "bwd"
+
+
+def _recomputable(node: fx.Node, block_of: dict[fx.Node, str | None], backward: set[fx.Node],
+                  save_matmuls: bool) -> bool:
+    if node.op != "call_function" or node in backward or node.target in RANDOM:
         return False
     block = block_of[node]
     if block is None or (save_matmuls and node.target in SAVED_BY_SELECTIVE):
         return False
-    # a value read outside its block (the block output) is what the next block starts from: saved
-    return all(block_of[u] == block or u.meta.get("phase") == "bwd" for u in node.users)
+    # a value a forward node outside its block reads (the block output) is what the next block starts from: saved
+    return all(block_of[u] == block or u in backward for u in node.users)

@@ -1,0 +1,92 @@
+"""Overlap (``Plan(overlap=True, bucket_mb=...)``): dp gradient buckets issued during the backward, ZeRO-3
+gathers prefetched a block ahead, every wait as late as its first use; results bitwise those without it."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.models.llama import llama, llama_plan
+from fxpar.testing import assert_equivalent
+from fxpar.testing.error_models import next_token_loss
+
+TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+
+
+def _compile(axes: dict[str, int], layers: int = 2, **plan: object) -> fxpar.ParallelModule:
+    return fxpar.parallelize(llama(n_layers=layers), fxpar.Mesh(axes, fake=True), (TOKENS,),
+                             plan=fxpar.Plan(tp=llama_plan() if "tp" in axes else {}, **plan))
+
+
+def _check(axes: dict[str, int], **plan: object) -> list:
+    return assert_equivalent(partial(llama, n_layers=2), axes, fxpar.Plan(tp=llama_plan(), **plan), (TOKENS,),
+                             steps=3, loss_fn=next_token_loss, targets=TOKENS)
+
+
+@pytest.mark.parametrize("extra", [{}, {"zero": 3, "sequence_parallel": True}, {"zero": 2, "recompute": "full"}],
+                         ids=["dp2xtp2", "zero3+sp", "zero2+recompute"])
+def test_overlap_matches_single_device_and_is_bitwise_the_unoverlapped_program(extra: dict) -> None:
+    on = _check({"dp": 2, "tp": 2}, overlap=True, bucket_mb=0.05, **extra)
+    off = _check({"dp": 2, "tp": 2}, overlap=False, **extra)
+    assert [r.losses for r in on] == [r.losses for r in off]  # same arithmetic, reordered issue and wait
+
+
+def test_overlap_with_pipeline_microbatches_matches_single_device() -> None:
+    # several microbatches: the buckets stay in the once-per-step reduction, still bucketed
+    plan = fxpar.Plan(stages=2, microbatches=2, overlap=True, bucket_mb=0.05)
+    assert_equivalent(partial(llama, n_layers=2), {"pp": 2, "dp": 2}, plan, (TOKENS,), steps=2,
+                      loss_fn=next_token_loss, targets=TOKENS)
+
+
+def test_dp_collectives_per_step_equal_the_bucket_count() -> None:
+    for mb in (0.01, 0.05, 0.2, 25):
+        pm = _compile({"dp": 2, "tp": 2}, overlap=True, bucket_mb=mb)
+        buckets = pm._compiled.stages[0].notes["overlap"]["buckets"]
+        rows = [r for r in pm.ledger(0) if r.axis == "dp"]
+        assert len(rows) == len(buckets), (mb, len(rows), buckets)
+        assert sum(r.bytes for r in rows) == sum(r.bytes for r in _compile({"dp": 2, "tp": 2}).ledger(0)
+                                                 if r.axis == "dp")  # still exactly the parameter bytes
+    assert len(_compile({"dp": 2, "tp": 2}, overlap=True, bucket_mb=25).ledger(0)) < len(_compile({"dp": 2,
+                                                                                                 "tp": 2}).ledger(0))
+
+
+def test_every_bucket_but_the_last_is_in_flight_across_a_later_matmul() -> None:
+    pm = _compile({"dp": 2, "tp": 2}, overlap=True, bucket_mb=0.05)
+    nodes = list(pm.rank_program(0).backward.graph.nodes)
+    dp_group = next(n for n, ranks in pm.rank_program(0).groups.items() if n.startswith("dp"))
+    issues = [n for n in nodes if n.target is c10d.all_reduce.default and n.args[2] == dp_group]
+    assert len(issues) >= 3
+    for c in issues[:-1]:
+        wait = next(u for u in c.users if u.target is c10d.wait_tensor.default)
+        between = nodes[nodes.index(c) + 1: nodes.index(wait)]
+        assert any(n.target is aten.mm.default for n in between), c.name
+
+
+def test_zero3_gathers_of_the_next_block_are_issued_before_this_blocks_matmuls() -> None:
+    pm = _compile({"dp": 2}, layers=3, zero=3, overlap=True)
+    nodes = list(pm.rank_program(0).forward.graph.nodes)
+
+    def block(n: torch.fx.Node) -> str:
+        return ".".join(str(n.meta.get("module", "")).split(".")[:2])
+
+    for i in range(2):
+        gathers = [nodes.index(n) for n in nodes
+                   if n.target is c10d.all_gather_into_tensor.default and block(n) == f"layers.{i + 1}"]
+        first_mm = min(nodes.index(n) for n in nodes if n.target is aten.mm.default and block(n) == f"layers.{i}")
+        assert gathers and max(gathers) < first_mm, (i, gathers, first_mm)
+
+
+def test_overlap_keeps_every_groups_collective_order_and_prints_in_flight_work() -> None:
+    pm = _compile({"dp": 2, "tp": 2}, zero=3, sequence_parallel=True, overlap=True)
+    fxpar.verify(pm)  # every group issues the same sequence on every rank
+    text = pm.program(0)
+    assert "inflight" in text and "comm.wait(" in text
+
+
+def test_bad_bucket_size_is_a_clear_error() -> None:
+    with pytest.raises(fxpar.PlanError, match="bucket_mb must be a positive number"):
+        _compile({"dp": 2}, overlap=True, bucket_mb=0)
