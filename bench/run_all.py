@@ -10,6 +10,7 @@
 5. ``zero.py``: fxpar zero=0 vs DDP and zero=1/2/3 vs FSDP2: bytes vs optimum, memory per rank, step time;
 6. ``sequence_parallel.py``: fxpar tp and tp+SP vs DTensor's: bytes vs optimum, saved activations, step time.
 7. ``recompute.py``: saved activations per recompute policy (predicted, measured, formula) and step time.
+8. ``overlap.py``: overlap on vs off: step time and the fraction of collective bytes hidden behind compute.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def commands(layers: str, repeats: int) -> list[list[str]]:
             [py, os.path.join(HERE, "pipeline.py")],
             [py, os.path.join(HERE, "zero.py")],
             [py, os.path.join(HERE, "sequence_parallel.py")],
-            [py, os.path.join(HERE, "recompute.py")]]
+            [py, os.path.join(HERE, "recompute.py")],
+            [py, os.path.join(HERE, "overlap.py")]]
 
 
 def main() -> None:
