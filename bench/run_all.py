@@ -11,6 +11,7 @@
 6. ``sequence_parallel.py``: fxpar tp and tp+SP vs DTensor's: bytes vs optimum, saved activations, step time.
 7. ``recompute.py``: saved activations per recompute policy (predicted, measured, formula) and step time.
 8. ``overlap.py``: overlap on vs off: step time and the fraction of collective bytes hidden behind compute.
+9. ``fp8.py``: FP8 SNR against fp32 and tensor-parallel FP8 against single-device FP8.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def commands(layers: str, repeats: int) -> list[list[str]]:
             [py, os.path.join(HERE, "zero.py")],
             [py, os.path.join(HERE, "sequence_parallel.py")],
             [py, os.path.join(HERE, "recompute.py")],
-            [py, os.path.join(HERE, "overlap.py")]]
+            [py, os.path.join(HERE, "overlap.py")],
+            [py, os.path.join(HERE, "fp8.py")]]
 
 
 def main() -> None:

@@ -210,9 +210,10 @@ class _Lowerer:
         if step.op == "slice":
             return self.own_piece(x, step.dst.dim, step.axis, after, module)
         if step.op == "all_reduce":
-            y = self.emit(c10d.all_reduce.default, (x, "sum", g), placements=after, module=module,
+            op = step.src.reduce_op  # "sum", or "max" for an fp8 amax over shards
+            y = self.emit(c10d.all_reduce.default, (x, op, g), placements=after, module=module,
                           name=f"{x.name}_allreduce")
-            self.record("all_reduce", step.axis, x.meta["val"], y)
+            self.record("all_reduce" if op == "sum" else f"all_reduce_{op}", step.axis, x.meta["val"], y)
             return self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_reduced")
         if step.op == "all_gather":
             return self.gather(x, step.src.dim, n, g, step.axis, after, module, total=like.shape[step.src.dim])

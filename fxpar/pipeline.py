@@ -30,6 +30,7 @@ Pass = Callable[[Program, Context], Program]
 def passes() -> list[tuple[str, Pass]]:
     """The pass pipeline, in order."""
     from fxpar.passes.annotate import annotate
+    from fxpar.passes.fp8 import fp8
     from fxpar.passes.insert_collectives import insert_collectives
     from fxpar.passes.overlap import overlap
     from fxpar.passes.propagate import propagate
@@ -38,6 +39,7 @@ def passes() -> list[tuple[str, Pass]]:
     from fxpar.passes.zero import zero
 
     return [
+        ("fp8", fp8),  # Linear matmuls -> float8 _scaled_mm with dynamic scales (rewrites the joint graph)
         ("annotate", annotate),  # plan + mesh -> placements of params, buffers, inputs
         ("sequence_parallel", sequence_parallel),  # SP: the residual stream to keep sequence-sharded over tp
         ("propagate", propagate),  # sharding through every op of the joint graph (fxpar policy on DTensor rules)

@@ -75,11 +75,6 @@ def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = No
     budget = isinstance(plan.recompute, int) and not isinstance(plan.recompute, bool) and plan.recompute >= 0
     if plan.recompute not in (None, "selective", "full") and not budget:
         raise PlanError(f"recompute must be None, 'selective', 'full' or a byte budget (int), got {plan.recompute!r}")
-    unbuilt = {"fp8": plan.fp8}
-    for name, value in unbuilt.items():
-        if value:
-            raise PlanError(f"Plan({name}={value!r}) is not implemented in this version of fxpar; "
-                            "leave it at its default")
     if plan.schedule not in SCHEDULE_NAMES:
         hint = close_matches(plan.schedule, list(SCHEDULE_NAMES))
         raise PlanError(f"unknown schedule {plan.schedule!r}; choose one of {SCHEDULE_NAMES}"

@@ -42,6 +42,7 @@ PARTIAL_LINEAR = {
     aten.div.Scalar, aten.sum.dim_IntList, aten.sum.default, aten.slice_backward.default,
 }
 PARTIAL_SUMS = {aten.add.Tensor, aten.sub.Tensor}  # partial only if every tensor arg is partial
+MAX_REDUCTIONS = {aten.amax.default}  # may leave a Partial("max") (fp8 scales), completed by a max all-reduce
 VIEW_LIKE = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
              aten.permute.default, aten.detach.default, aten.alias.default, aten._to_copy.default}
 PARAM_PENALTY = 1e6
@@ -255,9 +256,12 @@ def _cost(node: fx.Node, cand: Candidate, tensor_args: list[fx.Node], cur: list[
 def _allowed(node: fx.Node, cand: Candidate, cur: list[Placement], n: int) -> bool:
     outs = cand.output if isinstance(cand.output, tuple) else (cand.output,)
     vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
-    for p in (*outs, *cand.inputs):
+    for p in cand.inputs:
         if isinstance(p, Partial) and not is_plain_sum(p):
             return False  # avg/max partials and DTensor's masked partials need more than a sum
+    for p in outs:
+        if isinstance(p, Partial) and not is_plain_sum(p) and not (node.target in MAX_REDUCTIONS and is_max(p)):
+            return False  # a max over shards (an fp8 amax) is completed by a max all-reduce; nothing else is
     for p, v in zip(outs, vals, strict=False):
         if isinstance(p, Shard) and isinstance(v, torch.Tensor) and v.shape[p.dim] < n:
             return False  # an empty piece on some rank; uneven pieces are fine (DTensor's split)
@@ -277,12 +281,16 @@ def is_plain_sum(p: Placement) -> bool:
     return type(p) is Partial and p.reduce_op == "sum"
 
 
+def is_max(p: Placement) -> bool:
+    return type(p) is Partial and p.reduce_op == "max"
+
+
 def transition_cost(src: Placement, dst: Placement, nbytes: int) -> float:
     """Relative cost of changing one tensor's placement on one axis (bytes of the full tensor)."""
     if src == dst:
         return 0.0
-    if isinstance(dst, Partial):
-        return NO_CANDIDATE
+    if isinstance(dst, Partial) or (is_max(src) and not isinstance(dst, Replicate)):
+        return NO_CANDIDATE  # a max partial is only ever all-reduced
     if isinstance(src, Replicate):
         return 1.0  # a local slice: free of communication, but not nothing
     if isinstance(src, Partial):

@@ -95,3 +95,39 @@ def checkpoint_round(folder: str, save: bool, model_fn: Any, mesh_axes: dict[str
         checkpoint.load(pm, opt, folder)
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in pm.named_parameters()}
     return {"params": full, "losses": _train(pm, opt, mesh, tokens, steps_after)}
+
+
+def fp8_step(config: Any, mesh_axes: dict[str, int], plan: Any, x: torch.Tensor) -> dict[str, Any]:
+    """Rank body: the bundled Llama MLP (``config``, seed 0) under ``plan`` on ``mesh_axes``, one forward on this
+    rank's dp piece of ``x`` and a backward of ``mean(out ** 2)``; the full output (gathered when the mesh is
+    dp alone) and full parameter gradients (DTensors gathered)."""
+    import fxpar
+    from fxpar.models.llama import MLP
+
+    torch.manual_seed(0)
+    mesh = fxpar.Mesh(mesh_axes)
+    pm = fxpar.parallelize(MLP(config), mesh, (x,), plan=plan)
+    dp = mesh_axes.get("dp", 1)
+    local = x.tensor_split(dp)[mesh.coord(dist.get_rank())[mesh.axis_index("dp")]] if dp > 1 else x
+    out = pm(local)
+    out.pow(2).mean().backward()
+    if dp > 1:  # a dp-only mesh: rank i holds dp piece i
+        pieces = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, out.detach().contiguous())
+        out = torch.cat(pieces)
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in
+             pm.named_parameters()}
+    return {"output": out.detach(), "grads": grads}
+
+
+def llama_losses(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor, steps: int) -> list[float]:
+    """Rank body: the bundled 2-layer Llama (seed 0) trained ``steps`` AdamW steps with ``pm.step``; the losses."""
+    import fxpar
+    from fxpar.models.llama import llama
+    from fxpar.testing.error_models import next_token_loss
+
+    torch.manual_seed(0)
+    mesh = fxpar.Mesh(mesh_axes)
+    pm = fxpar.parallelize(llama(n_layers=2), mesh, (tokens,), plan=plan, loss_fn=next_token_loss,
+                           example_targets=tokens)
+    return _train(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), mesh, tokens, steps)

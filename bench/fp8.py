@@ -1,0 +1,78 @@
+"""FP8 accuracy: SNR against fp32 of fxpar's float8 matmuls, and tensor-parallel FP8 against single-device FP8.
+
+One command, two launches of 2 gloo ranks, a few seconds::
+
+    .venv/bin/python bench/fp8.py
+
+The bundled Llama MLP (hidden 64, intermediate 128, SwiGLU; seed 0) on a batch of 4 x 16 tokens, loss
+``mean(out ** 2)``. For each recipe: the SNR (dB, torchao's ``compute_error``) of a cast (e4m3 and e5m2), of
+the output and of each weight gradient against fp32, with torchao's thresholds (25, 18, 17 dB); and of
+fxpar FP8 at tp=2 (gate/up colwise, down rowwise: every scale needs a max over shards) against fxpar FP8 at
+dp=2 fed the same sample on both ranks (each rank runs the unsharded FP8 program), threshold 40 dB. CPU
+``torch._scaled_mm``; no speed claim (no GPU was lent to this task).
+
+Results go to ``bench/results/fp8.json`` and the ``fp8`` section of ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import environment, markdown_table, publish
+from fxpar.passes.fp8 import E4M3, E5M2, quantize
+
+import fxpar
+from fxpar.models.llama import MLP, LlamaConfig
+from fxpar.testing import default_pool
+from fxpar.testing.probes import fp8_step
+
+CONFIG = LlamaConfig(hidden=64, intermediate=128)
+PLAN = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
+COMMAND = ".venv/bin/python bench/fp8.py"
+
+
+def snr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return float(20 * torch.log10(ref.norm() / (ref - got).norm()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = MLP(CONFIG)
+    out = model(x)
+    out.pow(2).mean().backward()
+    pool = default_pool()
+    rows, data = [], {}
+    for recipe in ("tensorwise", "rowwise"):
+        dims = [1] if recipe == "rowwise" else [0, 1]
+        casts = {str(d).split(".")[-1]: snr(x, quantize(x, d, dims)[0].float() * quantize(x, d, dims)[1])
+                 for d in (E4M3, E5M2)}
+        tp = pool.run(fp8_step, 2, CONFIG, {"tp": 2}, fxpar.Plan(tp=PLAN, fp8=recipe), x, timeout=300)[0]
+        same = torch.cat([x[:2], x[:2]])
+        dp = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(fp8=recipe), same, timeout=300)[0]
+        tp2 = pool.run(fp8_step, 2, CONFIG, {"tp": 2}, fxpar.Plan(tp=PLAN, fp8=recipe), x[:2], timeout=300)[0]
+        grads = {n: snr(p.grad, tp["grads"][n]) for n, p in model.named_parameters()}
+        tp_vs_dp = min([snr(dp["output"][:2], tp2["output"])] + [snr(dp["grads"][n], tp2["grads"][n])
+                                                                 for n in dp["grads"]])
+        data[recipe] = {"casts": casts, "output": snr(out.detach(), tp["output"]), "grads": grads,
+                        "tp_vs_dp_min": tp_vs_dp}
+        rows.append([recipe, " / ".join(f"{v:.1f}" for v in casts.values()), f"{data[recipe]['output']:.1f}",
+                     " / ".join(f"{v:.1f}" for v in grads.values()), f"{tp_vs_dp:.1f}"])
+    pool.close()
+    lines = [f"`{COMMAND}` (Llama MLP 64 -> 128 -> 64, batch 4 x 16; SNR in dB against fp32; last column the "
+             "minimum over the output and every gradient of fxpar FP8 at tp=2 vs at dp=2 on the same sample)", "",
+             *markdown_table(["recipe", "cast e4m3 / e5m2 (>= 25)", "output (>= 18)",
+                              "weight grads gate / up / down (>= 17)", "tp=2 vs single-device FP8 (>= 40)"], rows), ""]
+    env = {**environment(), "backend": "gloo", "wall_s": time.perf_counter() - t0}
+    path = publish("fp8", "fp8", lines, {"env": env, "command": COMMAND, "results": data}, not args.no_readme)
+    print(f"wrote {path} ({env['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""fp8: run Linear matmuls (forward, input gradient, weight gradient) as ``torch._scaled_mm`` on float8."""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from fxpar.passes.propagate import FxparWarning
+from torch._guards import detect_fake_mode
+
+from fxpar.errors import PlanError
+from fxpar.ir import Program, Provenance
+from fxpar.pipeline import Context
+
+aten = torch.ops.aten
+RECIPES = ("tensorwise", "rowwise")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+EPS = 1e-12  # torchao's floor on amax: an all-zero tensor gets a finite scale
+LAYOUT = {aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def fp8(prog: Program, ctx: Context) -> Program:
+    """Replace every ``mm`` of the chosen ``nn.Linear`` modules in the joint graph by a float8 ``_scaled_mm``.
+
+    Requires: the captured joint Program (``addmm`` already split into ``mm`` + ``add``); ``ctx.plan.fp8``
+    is ``None``, a recipe (``"tensorwise"``, ``"rowwise"``: every Linear whose in and out features are
+    multiples of 16) or ``{module glob: recipe}`` (each glob must match Linears with such dims).
+    Ensures: each of the module's matmuls (the forward, the input gradient, the weight gradient) becomes
+    ``_scaled_mm(cast(a), cast(b), 1 / scale_a, 1 / scale_b)`` in fp32 out, with dynamic scales
+    ``scale = fp8_max / amax`` (torchao's recipes): activations and weights in e4m3, gradients in e5m2.
+    ``tensorwise``: one scale per operand, the amax over the whole (global) tensor, so a sharded operand's
+    amax is a max over its shards (propagation makes it a ``Partial("max")``, lowered as a one-scalar max
+    all-reduce) and tensor-parallel FP8 computes what single-device FP8 computes. ``rowwise``: one scale
+    per row of ``a`` and per column of ``b``, each the amax along the contracting dim (no communication
+    unless that dim is sharded). ``notes["fp8"]`` = ``{module: recipe}``. Without ``plan.fp8`` the
+    Program is unchanged.
+    """
+    if ctx.plan.fp8 is None:
+        return prog
+    chosen = choose_modules(ctx.model, ctx.plan.fp8)
+    gm = fx.GraphModule(prog.gm, prog.graph)  # the rewrite must not touch the captured graph others share
+    provenance = dict(prog.provenance)
+    weights = _weight_nodes(prog, gm.graph)
+    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    for node in list(gm.graph.nodes):
+        prov = provenance.get(node.name)
+        if node.target is aten.mm.default and prov is not None and prov.module in chosen:
+            _rewrite(gm.graph, node, chosen[prov.module], weights, provenance, mode)
+    gm.graph.lint()
+    gm.recompile()
+    notes = {k: v for k, v in prog.notes.items() if k != "_nodes"}
+    return prog.replace("fp8", gm=gm, provenance=provenance, notes={**notes, "fp8": chosen})
+
+
+def choose_modules(model: torch.nn.Module, spec: str | dict[str, str]) -> dict[str, str]:
+    """``{module path: recipe}`` for a recipe name or a ``{glob: recipe}`` dict; clear errors for the rest."""
+    modules = dict(model.named_modules())
+    linears = {p: m for p, m in modules.items() if isinstance(m, torch.nn.Linear)}
+    if isinstance(spec, str):
+        _check_recipe(spec, "fp8")
+        skipped = [f"{p} ({m.in_features} x {m.out_features})" for p, m in linears.items() if not _fits(m)]
+        if skipped:
+            warnings.warn(f"fxpar: fp8 skips Linears whose dims are not multiples of 16: {', '.join(skipped)}",
+                          FxparWarning, stacklevel=2)
+        return {p: spec for p, m in linears.items() if _fits(m)}
+    if not isinstance(spec, dict):
+        raise PlanError(f"fp8 must be None, a recipe in {RECIPES} or a dict of module globs to recipes, got {spec!r}")
+    chosen: dict[str, str] = {}
+    for glob, recipe in spec.items():
+        _check_recipe(recipe, f"fp8[{glob!r}]")
+        matched = [p for p in modules if p and fnmatch.fnmatchcase(p, glob)]
+        if not matched:
+            raise PlanError(f"fp8[{glob!r}] matches no module of the model")
+        for path in matched:
+            mod = modules[path]
+            if not isinstance(mod, torch.nn.Linear):
+                raise PlanError(f"fp8[{glob!r}]: module {path!r} is a {type(mod).__name__}, which has no fp8 path "
+                                "(fp8 runs nn.Linear matmuls as torch._scaled_mm)")
+            if not _fits(mod):
+                raise PlanError(f"fp8[{glob!r}]: Linear {path!r} is {mod.in_features} -> {mod.out_features}; "
+                                "torch._scaled_mm needs both dims to be multiples of 16")
+            chosen[path] = recipe
+    return chosen
+
+
+def _check_recipe(recipe: object, where: str) -> None:
+    if recipe not in RECIPES:
+        raise PlanError(f"{where} = {recipe!r}: the recipe must be one of {RECIPES}")
+
+
+def _fits(m: torch.nn.Linear) -> bool:
+    return m.in_features % 16 == 0 and m.out_features % 16 == 0
+
+
+def _weight_nodes(prog: Program, graph: fx.Graph) -> set[fx.Node]:
+    names = {name for _, name in prog.signature.params}
+    return {n for n in graph.nodes if n.name in names}
+
+
+def _root(n: fx.Node) -> fx.Node:
+    while n.target in LAYOUT:
+        n = n.args[0]
+    return n
+
+
+def _dtype(operand: fx.Node, weights: set[fx.Node], provenance: dict[str, Provenance]) -> torch.dtype:
+    """e4m3 for a weight or a forward activation (through transposes and views), e5m2 for a gradient."""
+    root = _root(operand)
+    prov = provenance.get(root.name)
+    return E4M3 if root in weights or (prov is not None and prov.phase != "bwd") else E5M2
+
+
+def _rewrite(graph: fx.Graph, mm: fx.Node, recipe: str, weights: set[fx.Node], provenance: dict[str, Provenance],
+             mode: object) -> None:
+    a, b = mm.args
+    prov = provenance[mm.name]
+
+    def emit(target: Callable, *args: object, **kwargs: object) -> fx.Node:
+        node = graph.call_function(target, args, kwargs)
+        vals = [x.meta["val"] if isinstance(x, fx.Node) else x for x in args]
+        with mode:
+            node.meta["val"] = target(*vals, **kwargs)
+        provenance[node.name] = prov
+        return node
+
+    with graph.inserting_before(mm):
+        a8, a_inv = _cast(emit, a, _dtype(a, weights, provenance), dims=[1] if recipe == "rowwise" else [0, 1])
+        b8, b_inv = _cast(emit, b, _dtype(b, weights, provenance), dims=[0] if recipe == "rowwise" else [0, 1])
+        out = emit(aten._scaled_mm.default, a8, b8, a_inv, b_inv, None, None, torch.float32)
+    mm.replace_all_uses_with(out)
+    graph.erase_node(mm)
+
+
+def _cast(op: Callable, x: Any, dtype: torch.dtype, dims: list[int]) -> tuple[Any, Any]:
+    """``x`` scaled into ``dtype``'s range and cast, and the inverse scale ``_scaled_mm`` multiplies back.
+    ``dims``: the dims the amax reduces (both: tensorwise; the contracting one, kept: rowwise). ``op(target,
+    *args)`` applies an aten op: eagerly (``quantize``) or by emitting a graph node (the pass)."""
+    amax = op(aten.amax.default, op(aten.abs.default, x), dims, len(dims) == 1)
+    inverse = op(aten.div.Tensor, op(aten.clamp_min.default, amax, EPS), FP8_MAX[dtype])  # amax / fp8_max
+    scaled = op(aten.clamp.default, op(aten.mul.Tensor, x, op(aten.reciprocal.default, inverse)),
+                -FP8_MAX[dtype], FP8_MAX[dtype])
+    return op(aten._to_copy.default, scaled, dtype=dtype), inverse
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, dims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pass's cast, run eagerly on ``x``: ``(x8, inverse_scale)``, so ``x8.float() * inverse ~= x``."""
+    return _cast(lambda target, *args, **kwargs: target(*args, **kwargs), x, dtype, dims)
