@@ -8,6 +8,7 @@ compiled for one microbatch: dim 0 of the example inputs divided by ``microbatch
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,8 +51,9 @@ class Compiled:
     num_user_inputs: int
     input_kind: str  # "tuple" | "dict" (HF style ``model(**batch)``)
     out_spec: Any  # pytree spec of the model's outputs (the last stage's flat outputs rebuild it)
-    input_keys: tuple[str, ...] = ()
+    input_keys: tuple[str, ...] = ()  # with keyword inputs: the tensor ones, in the order the program takes them
     timings: dict[str, float] = field(default_factory=dict)
+    constants: dict[Any, Any] = field(default_factory=dict)  # non-tensor inputs (by name or position), baked in
 
     @property
     def pp(self) -> int:
@@ -75,9 +77,12 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     """
     plan = as_plan(plan, mesh.axes)
     kind, keys, flat = _flatten_inputs(example_inputs)
-    if kind == "dict":
-        raise NotImplementedError("keyword (dict) example_inputs are not supported yet: pass a tuple of positional "
-                                  "inputs in the order model.forward takes them")
+    n_user = len(flat)
+    constants = {k: v for k, v in zip(keys or range(n_user), flat, strict=True) if not _is_tensor(v)}
+    if kind == "dict" or constants:  # traced through a stand-in taking the tensors; flags and None are constants
+        model = input_adapter(model, kind, keys, constants, n_user)
+        keys = tuple(k for k in keys if k not in constants)
+        flat = [v for v in flat if _is_tensor(v)]
     pp = mesh.axes.get("pp", 1)
     if pp > 1 and loss_fn is None:
         raise PlanError("a mesh with a 'pp' axis needs loss_fn=...: the last pipeline stage computes the loss "
@@ -102,7 +107,29 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     schedule = make_schedule(plan.schedule, pp, len(programs), m)
     resolved = plan.resolved(stages=len(programs) if isinstance(plan.stages, int) or plan.stages is None
                              else plan.stages, microbatches=m, notes=notes)
-    return Compiled(mesh, resolved, programs, schedule, m, len(flat), kind, out_spec, keys, timings)
+    return Compiled(mesh, resolved, programs, schedule, m, n_user, kind, out_spec, keys, timings, constants)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def input_adapter(model: torch.nn.Module, kind: str, keys: tuple[str, ...], constants: dict[Any, Any],
+                  n_user: int) -> torch.nn.Module:
+    """A shallow copy of ``model`` (the same submodules, parameters and names) whose ``forward`` takes only the
+    tensor inputs, positionally, and calls the model with ``constants`` (non-tensor inputs, by keyword name or
+    position) put back in their places."""
+    adapter = copy.copy(model)
+    forward = model.forward
+
+    def tensors_only(*tensors: torch.Tensor) -> Any:
+        given = iter(tensors)
+        if kind == "dict":
+            return forward(**{k: constants[k] if k in constants else next(given) for k in keys})
+        return forward(*[constants[i] if i in constants else next(given) for i in range(n_user)])
+
+    adapter.forward = tensors_only
+    return adapter
 
 
 def _n_stages(plan: Plan, pp: int) -> int:
@@ -179,15 +206,31 @@ def flat_user_inputs(compiled: Compiled, args: tuple[Any, ...]) -> tuple[list[An
     """Split ``pm.step``/``pm(...)`` arguments into (flat inputs, targets) per ``compiled.input_kind``."""
     if compiled.input_kind == "dict":
         if not args or not isinstance(args[0], dict):
-            raise TypeError("this model was compiled with keyword inputs: call pm.step(batch_dict, targets)")
+            raise TypeError("this model was compiled with keyword inputs: call pm(**batch) or pm.step(batch, targets)")
         batch = args[0]
-        if set(batch) != set(compiled.input_keys):
-            raise TypeError(f"inputs {sorted(batch)} differ from the compiled ones {sorted(compiled.input_keys)}")
+        expected = set(compiled.input_keys) | set(compiled.constants)
+        if set(batch) != expected:
+            raise TypeError(f"keyword inputs {sorted(batch)} differ from the compiled ones {sorted(expected)}")
+        _check_constants(compiled, batch)
         return [batch[k] for k in compiled.input_keys], (args[1] if len(args) > 1 else None)
     n = compiled.num_user_inputs
     if len(args) < n:
         raise TypeError(f"expected {n} model inputs (as in example_inputs), got {len(args)}")
-    return list(args[:n]), (args[n] if len(args) > n else None)
+    _check_constants(compiled, dict(enumerate(args[:n])))
+    tensors = [a for i, a in enumerate(args[:n]) if i not in compiled.constants]
+    return tensors, (args[n] if len(args) > n else None)
+
+
+def _check_constants(compiled: Compiled, given: dict[Any, Any]) -> None:
+    """A non-tensor input is part of the compiled program: refuse a different value instead of ignoring it."""
+    for key, value in compiled.constants.items():
+        got = given.get(key)
+        same = got is value or (not _is_tensor(got) and type(got) is type(value) and got == value)
+        if not same:
+            what = f"keyword input {key!r}" if isinstance(key, str) else f"positional input {key}"
+            raise ValueError(f"{what} is {got!r} here but was {value!r} when the program was compiled: non-tensor "
+                             "inputs are constants of the compiled program; call fxpar.parallelize again with this "
+                             "value")
 
 
 def split_microbatches(values: Any, m: int) -> list[Any]:

@@ -258,9 +258,11 @@ class ParallelModule(torch.nn.Module):
         if not self._runners:
             raise RuntimeError("this ParallelModule was compiled for a fake mesh (or no rank): it cannot run")
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **kw_inputs: Any) -> Any:
         self._check_runnable()
         c = self._compiled
+        if kw_inputs:  # pm(**batch) for a model compiled with keyword inputs
+            inputs = (kw_inputs, *inputs)
         if len(c.stages) > 1 or c.microbatches > 1:
             raise RuntimeError(f"this program has {len(c.stages)} pipeline stages and {c.microbatches} microbatches: "
                                "run a training step with pm.step(inputs..., targets) instead of pm(inputs)")

@@ -17,7 +17,8 @@ def annotate(prog: Program, ctx: Context) -> Program:
     Requires: a captured Program; ``ctx.plan`` globs over ``ctx.model.named_modules()``.
     Ensures: every param/buffer/input placeholder has a placement per mesh axis: ``dp``
     shards inputs on dim 0 and replicates state; ``tp`` applies the plan (replicate otherwise);
-    ``pp`` replicates everything (each stage is its own program). A pipeline stage's received
+    ``pp`` replicates everything (each stage is its own program). Inputs are batch-sharded over dp on dim 0
+    when dim 0 is the batch (the first input's dim 0); other inputs are replicated. A pipeline stage's received
     values are placed as the previous stage's outputs are (``batch_placements``).
     Raises PlanError for unknown axes, globs that match nothing and unsupported modules,
     ValueError for a parameter dim smaller than its axis and a batch smaller than dp (a rank would be
@@ -46,15 +47,20 @@ def annotate(prog: Program, ctx: Context) -> Program:
         placements[name] = tuple(Replicate() for _ in mesh.names)
     stage = prog.notes.get("stage")
     received = len(stage.received) if stage is not None else 0
+    user = [prog.node(n).meta.get("val") for n in prog.signature.inputs[received:]]
+    global_batch = next((v.shape[0] for v in user if isinstance(v, torch.Tensor) and v.ndim >= 1), None)
     for i, name in enumerate(prog.signature.inputs):
-        val: torch.Tensor = prog.node(name).meta["val"]
+        val = prog.node(name).meta.get("val")
+        if not isinstance(val, torch.Tensor):  # a non-tensor input (None, a flag): a constant, nothing to place
+            continue
         if i < received:  # a stage boundary: placed as the previous stage's output was (batch_placements)
             placements[name] = batch_placements(val, mesh)
             continue
-        batch = Shard(0) if val.ndim >= 1 else Replicate()
+        # the batch: dim 0 of the first input, and of every input as long (a [1, s] position table is not)
+        batch = Shard(0) if val.ndim >= 1 and val.shape[0] == global_batch else Replicate()
         placements[name] = tuple(batch if (a == "dp" and n > 1) else Replicate() for a, n in mesh.axes.items())
         dp = mesh.axes.get("dp", 1)
-        if dp > 1 and val.ndim >= 1 and val.shape[0] < dp:
+        if dp > 1 and batch == Shard(0) and val.shape[0] < dp:
             raise ValueError(f"input {i - received}: a batch of {val.shape[0]} over dp={dp} leaves some dp rank "
                              "without a sample (its batch-mean loss would be undefined); use a batch of at least "
                              f"{dp} or a smaller dp axis")

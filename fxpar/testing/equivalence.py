@@ -121,7 +121,7 @@ def assert_equivalent(model_fn: ModelFn, mesh_axes: dict[str, int], plan: Any, i
     rank and step otherwise; a user error while compiling (``PlanError``, ``ValueError``, ...) is
     re-raised with its own type; a hung or dead rank raises ``RankFailure`` within ``timeout``.
     """
-    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    inputs = inputs if isinstance(inputs, (tuple, dict)) else (inputs,)  # a dict: keyword inputs, model(**batch)
     case = Case(model_fn, dict(mesh_axes), plan, inputs, steps, rtol, atol, lr, seed, loss_fn, rank_hook, want_program,
                 targets)
     _check_picklable(case)
@@ -162,7 +162,7 @@ def _explain(case: Case, mismatches: list[Mismatch]) -> str:
 
 def _replay(case: Case) -> str:
     shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else repr(x)
-                       for x in case.inputs)
+                       for x in _values(case.inputs))
     return (f"replay: fxpar.testing.assert_equivalent({describe(case.model_fn)}, {case.mesh_axes!r}, {case.plan!r}, "
             f"inputs, steps={case.steps}, seed={case.seed})  # inputs: ({shapes})")
 
@@ -200,7 +200,7 @@ def check_rank(case: Case) -> RankReport:
     loss_fn = case.loss_fn or mean_square
     pcoord, psizes = _param_coord(mesh, rank)
     for step in range(case.steps):
-        out, ref_out = pm(*local_inputs), reference(*case.inputs)
+        out, ref_out = _call(pm, local_inputs), _call(reference, case.inputs)
         names, ref_leaves = _output_leaves(ref_out)
         for name, got, want, placements in zip(names, pytree.tree_leaves(out), ref_leaves, pm.output_placements(),
                                                strict=True):
@@ -227,7 +227,8 @@ def _check_steps(case: Case, pm: fxpar.ParallelModule, reference: torch.nn.Modul
     loss_fn = case.loss_fn or mean_square
     pcoord, psizes = _param_coord(mesh, rank)
     for step in range(case.steps):
-        args = (*local_inputs, local_targets) if local_targets is not None else local_inputs
+        model_args = (local_inputs,) if isinstance(local_inputs, dict) else local_inputs
+        args = (*model_args, local_targets) if local_targets is not None else model_args
         loss = pm.step(*args)
         ref_loss = _reference_step(case, reference, loss_fn, mesh.axes.get("dp", 1), pm._compiled.microbatches)
         report.losses.append((loss.item(), ref_loss.item()))
@@ -251,7 +252,7 @@ def _reference_step(case: Case, reference: torch.nn.Module, loss_fn: LossFn, dp:
 
     losses = []
     for j in range(m):
-        out = reference(*(microbatch(x, j) for x in case.inputs))
+        out = _call(reference, _map(functools.partial(microbatch, j=j), case.inputs))
         loss = loss_fn(out, microbatch(case.targets, j)) if case.targets is not None else loss_fn(out)
         (loss / m).backward()
         losses.append(loss.detach())
@@ -329,11 +330,26 @@ def _dp_shard(inputs: tuple[Any, ...], mesh: fxpar.Mesh, rank: int) -> tuple[Any
     if mesh.axes.get("dp", 1) == 1:
         return inputs
     dp, idx = mesh.axes["dp"], mesh.coord(rank)[mesh.axis_index("dp")]
-    return tuple(x.tensor_split(dp)[idx] if isinstance(x, torch.Tensor) and x.ndim else x for x in inputs)
+    batch = _batch(inputs)  # inputs whose dim 0 is not the batch (a [1, s] table) are replicated, as fxpar does
+    return _map(lambda x: x.tensor_split(dp)[idx] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch
+                else x, inputs)
 
 
-def _batch(inputs: tuple[Any, ...]) -> int | None:
-    return next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.ndim), None)
+def _values(inputs: tuple[Any, ...] | dict[str, Any]) -> list[Any]:
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+
+
+def _map(fn: Callable[[Any], Any], inputs: tuple[Any, ...] | dict[str, Any]) -> Any:
+    """``fn`` applied to each positional or keyword input."""
+    return {k: fn(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(fn(x) for x in inputs)
+
+
+def _call(model: Any, inputs: tuple[Any, ...] | dict[str, Any]) -> Any:
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _batch(inputs: tuple[Any, ...] | dict[str, Any]) -> int | None:
+    return next((x.shape[0] for x in _values(inputs) if isinstance(x, torch.Tensor) and x.ndim), None)
 
 
 def _batch_weight(mesh: fxpar.Mesh, rank: int, inputs: tuple[Any, ...]) -> float:
