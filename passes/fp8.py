@@ -131,6 +131,12 @@ def _rewrite(graph: fx.Graph, mm: fx.Node, recipe: str, weights: set[fx.Node], p
     with graph.inserting_before(mm):
         a8, a_inv = _cast(emit, a, _dtype(a, weights, provenance), dims=[1] if recipe == "rowwise" else [0, 1])
         b8, b_inv = _cast(emit, b, _dtype(b, weights, provenance), dims=[0] if recipe == "rowwise" else [0, 1])
+        # CUDA's _scaled_mm takes a row-major and b column-major (CPU takes any layout)
+        if not a8.meta["val"].is_contiguous():
+            a8 = emit(aten.clone.default, a8, memory_format=torch.contiguous_format)
+        if b8.meta["val"].stride(0) != 1:
+            b8 = emit(aten.t.default, emit(aten.clone.default, emit(aten.t.default, b8),
+                                           memory_format=torch.contiguous_format))
         out = emit(aten._scaled_mm.default, a8, b8, a_inv, b_inv, None, None, torch.float32)
     mm.replace_all_uses_with(out)
     graph.erase_node(mm)
