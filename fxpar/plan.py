@@ -33,7 +33,7 @@ class Plan:
     The remaining fields are part of the API and refused with a clear error until implemented.
     """
 
-    tp: dict[str, str] = field(default_factory=dict)
+    tp: dict[str, str] | str = field(default_factory=dict)  # or "hf": the model's own HF plan
     sequence_parallel: bool = False
     zero: int = 0
     stages: int | list[str] | tuple[str, ...] | None = None
@@ -98,9 +98,14 @@ def _check_axes(plan: Plan, axes: dict[str, int]) -> None:
 
 
 def resolve_plan(model: torch.nn.Module, plan: dict[str, str] | None) -> dict[str, str]:
-    """Expand globs to ``{module path: style}``; every glob must match at least one module."""
+    """Expand globs to ``{module path: style}``; every glob must match at least one module. ``"hf"`` is the
+    model's own Hugging Face plan (``fxpar.hf_plan``)."""
     if plan is None:
         return {}
+    if plan == "hf":
+        from fxpar.hf_plan import hf_tp_plan
+
+        plan = hf_tp_plan(model)
     if not isinstance(plan, dict):
         raise PlanError(f"Plan(tp=...) must be a dict of module-path globs to styles, got {type(plan).__name__}")
     paths = [name for name, _ in model.named_modules() if name]
