@@ -27,7 +27,7 @@ from fxpar.backward_split import split_backward
 from fxpar.ir import Program, batch_placements
 from fxpar.lower import RankProgram
 from fxpar.schedules import Action
-from fxpar.split import BATCH_AXIS, dp_share, splitter
+from fxpar.split import BATCH_AXIS, batch_weight, splitter
 
 
 @dataclass(frozen=True)
@@ -286,14 +286,11 @@ class StepExecutor:
         return value.float()
 
     def uneven_batch_weight(self) -> float:
-        """``dp * b_r / B``: how much more than ``1 / dp`` this rank's batch-mean loss weighs when dp does not
-        divide the batch ``B`` (``b_r`` samples here); 1 otherwise."""
-        dp = self.mesh.axes.get(BATCH_AXIS, 1)
-        if dp == 1:
+        """How much this rank's batch-mean loss weighs against ``1 / dp`` (``fxpar.split.batch_weight``)."""
+        if self.mesh.axes.get(BATCH_AXIS, 1) == 1:
             return 1.0
-        share = dp_share(splitter(self.compiled.stages[-1]),
-                         self.mesh.coord(self.rank)[self.mesh.axis_index(BATCH_AXIS)], self.mesh)
-        return 1.0 if share == 1 / dp else share * dp
+        coord = self.mesh.coord(self.rank)[self.mesh.axis_index(BATCH_AXIS)]
+        return batch_weight(splitter(self.compiled.stages[-1]), coord, self.mesh)
 
     def write_trace(self, path: str, events: list[dict[str, Any]]) -> None:
         gathered: list[Any] = [None] * dist.get_world_size()

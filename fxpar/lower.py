@@ -238,14 +238,14 @@ class _Lowerer:
         pad = [0, 0] * (x0.meta["val"].ndim - 1) + [0, rows - have]
         return self.emit(aten.constant_pad_nd.default, (x0, pad, 0.0), module=module)
 
-    def _pieces(self, total: int, axis: str) -> tuple[list[int], int, bool]:
-        """Piece sizes of ``total`` over ``axis``, the padded piece size, and whether the padding is all at
-        the end (DTensor's split: every piece but the last ones full)."""
+    def _pieces(self, total: int, axis: str) -> tuple[list[int], list[int], int, bool]:
+        """Piece sizes and starts of ``total`` over ``axis``, the padded piece size, and whether the padding is
+        all at the end (DTensor's split: every piece but the last ones full)."""
         sizes = self.split.sizes(total, self.mesh.axis_index(axis))
         ceil = max(sizes)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         tail_padded = all(st == i * ceil or size == 0 for i, (st, size) in enumerate(zip(starts, sizes, strict=True)))
-        return sizes, ceil, tail_padded
+        return sizes, starts, ceil, tail_padded
 
     def scatter(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
                 contiguous: bool = False, zero_shard: bool = False) -> fx.Node:
@@ -256,13 +256,13 @@ class _Lowerer:
         parameter only on a dim dp divides.
         """
         total = x.meta["val"].shape[d]
-        sizes, ceil, tail_padded = ([total // n] * n, total // n, True) if zero_shard else self._pieces(total, axis)
+        even = ([total // n] * n, [i * (total // n) for i in range(n)], total // n, True)
+        sizes, starts, ceil, tail_padded = even if zero_shard else self._pieces(total, axis)
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
         if tail_padded:
             x0 = self._pad_rows(x0, n * ceil, module)
         else:
-            starts = [sum(sizes[:i]) for i in range(n)]
             pieces = [self._pad_rows(self.emit(aten.slice.Tensor, (x0, 0, st, st + size), module=module), ceil, module)
                       for st, size in zip(starts, sizes, strict=True)]
             x0 = self.emit(aten.cat.default, (pieces,), module=module)
@@ -279,7 +279,7 @@ class _Lowerer:
                ledger_op: str = "all_gather", contiguous: bool = False, total: int | None = None) -> fx.Node:
         """All-gather ``x`` over ``axis`` along dim ``d``. When the pieces of ``total`` (the gathered size) differ
         in size, each is padded to the largest and the padding is cut out after."""
-        sizes, ceil, tail_padded = self._pieces(total, axis) if total is not None else ([], 0, True)
+        sizes, _, ceil, tail_padded = self._pieces(total, axis) if total is not None else ([], [], 0, True)
         uneven = len(set(sizes)) > 1
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)

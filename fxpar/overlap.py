@@ -17,14 +17,12 @@ Compute nodes keep their order and no value changes: results are bitwise those o
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.fx as fx
 
 from fxpar.backends.comm import c10d, group_arg_index
+from fxpar.passes.recompute import BLOCK
 
-BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 aten = torch.ops.aten
 # layout-only ops that move with the collective they feed or unpack
 CHEAP = {aten.movedim.int, aten.clone.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,

@@ -109,3 +109,11 @@ def dp_share(split: Splitter, index: int, mesh: Any) -> float:
     if split.batch is None or split.batch % n == 0:
         return 1 / n
     return balanced_sizes(split.batch, n)[index] / split.batch
+
+
+def batch_weight(split: Splitter, index: int, mesh: Any) -> float:
+    """``dp * b_index / B``: how much dp rank ``index``'s batch-mean loss weighs against ``1 / dp`` (1 when dp
+    divides the batch)."""
+    n = mesh.axes.get(BATCH_AXIS, 1)
+    share = dp_share(split, index, mesh)
+    return 1.0 if share == 1 / n else share * n

@@ -68,11 +68,11 @@ def propagate(prog: Program, ctx: Context) -> Program:
     arg_placements: dict[str, tuple[Any, ...]] = {}
     params = {name for _, name in prog.signature.params}
     param_like: set[str] = set(params)
-    outputs = _output_targets(prog, placements, splitter(prog).batch)
+    split = splitter(prog)
+    outputs = _output_targets(prog, placements, split.batch)
     stream = prog.notes.get("sequence_parallel", frozenset())
     for name, idx in prog.signature.tangents:
         placements[name] = outputs[idx]
-    split = splitter(prog)
     for node in prog.graph.nodes:
         if node.op == "get_attr":
             placements[node.name] = _replicated(prog)

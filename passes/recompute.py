@@ -22,7 +22,7 @@ SAVED_BY_SELECTIVE = {
 # a recomputed random op would draw different numbers: its outputs are always saved
 RANDOM = {aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli_.float, aten.rand.default,
           aten.randn.default, aten.rand_like.default, aten.randn_like.default}
-BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # the first ``name.<index>`` in a module path: a repeated block
+BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")  # the first ``name.<index>`` in a module path: a repeated block
 POLICIES = ("selective", "full")
 
 
@@ -139,7 +139,7 @@ def _flops(node: fx.Node) -> float:
 def _block(prog: Program, node: fx.Node) -> str | None:
     prov = prog.provenance.get(node.name)
     match = BLOCK.match(prov.module) if prov is not None and prov.module else None
-    return match.group(1) if match else None
+    return f"{match.group(1)}.{match.group(2)}" if match else None
 
 
 def is_backward(prog: Program, node: fx.Node) -> bool:

@@ -33,7 +33,7 @@ import fxpar
 from fxpar import serialize
 from fxpar.api import compile_program
 from fxpar.compiled import Compiled
-from fxpar.split import Splitter, balanced_sizes, chunk_sizes
+from fxpar.split import Splitter, batch_weight, chunk_sizes
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
 from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
 
@@ -353,10 +353,11 @@ def _batch(inputs: tuple[Any, ...] | dict[str, Any]) -> int | None:
 
 
 def _batch_weight(mesh: fxpar.Mesh, rank: int, inputs: tuple[Any, ...]) -> float:
-    dp, batch = mesh.axes.get("dp", 1), _batch(inputs)
-    if dp == 1 or batch is None:
+    dp = mesh.axes.get("dp", 1)
+    if dp == 1:
         return 1.0
-    return dp * balanced_sizes(batch, dp)[mesh.coord(rank)[mesh.axis_index("dp")]] / batch
+    return batch_weight(Splitter(mesh.names, mesh.shape, _batch(inputs)), mesh.coord(rank)[mesh.axis_index("dp")],
+                        mesh)
 
 
 def _output_leaves(out: Any) -> tuple[list[str], list[Any]]:
