@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from fxpar.ir import Placements, Program
 from fxpar.overlap import inline_reduction, overlap
@@ -37,6 +37,7 @@ SHAPE_ARG = {
 }
 SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 VIEWS = {aten.view.default, aten._unsafe_view.default}
+FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class _Lowerer:
         self.zero: dict[str, int] = prog.notes.get("zero", {})
         self.zero3 = prog.notes.get("zero_level", 0) == 3
         self.param_fqn = {name: fqn for fqn, name in sig.params}
+        self.shards: dict[str, fx.Node] = {}  # ZeRO-3: each parameter's dp-shard placeholder, by graph name
         self.gather_rows: list[LedgerRow] = []
         self.recompute: frozenset[str] = prog.notes.get("recompute", frozenset())
         self.recomputing = False  # lowering a node the backward recomputes: mark everything emitted for it
@@ -285,9 +287,14 @@ class _Lowerer:
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
         if uneven:
             x0 = self._pad_rows(x0, ceil, module)
+        dtype = x0.meta["val"].dtype
+        if dtype in FLOAT8:  # gloo has no float8 type: the bytes move as uint8
+            x0 = self.emit(aten.view.dtype, (x0, torch.uint8), module=module)
         c = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module,
                       name=f"{x.name}_allgather")
         y = self.emit(c10d.wait_tensor.default, (c,), placements=after, module=module, name=f"{x.name}_gathered")
+        if dtype in FLOAT8:
+            y = self.emit(aten.view.dtype, (y, dtype), placements=after, module=module)
         self.record(ledger_op, axis, y.meta["val"], c)
         if uneven and tail_padded:
             y = self.emit(aten.slice.Tensor, (y, 0, 0, total), placements=after, module=module)
@@ -388,7 +395,9 @@ class _Lowerer:
         del self.env[name]
         if first != name:
             self.env.lazy[name] = lambda: self.env[first]
+            self.shards[name] = self.shards[first]
             return
+        self.shards[name] = ph
         d, dp = self.zero[fqn], self.mesh.axes["dp"]
         full = ph.meta["val"]
         shape = list(full.shape)
@@ -430,12 +439,21 @@ class _Lowerer:
         self.env[node.name] = self.emit(target, args, kwargs, placements=placements, module=module, name=node.name)
         self.recomputing = False
 
+    def is_own_shard(self, producer: str, dst: Placements, steps: tuple[Step, ...]) -> bool:
+        """Whether ``producer`` is a ZeRO-3 parameter asked for as exactly the dp shard it is stored as."""
+        if producer not in self.shards:
+            return False
+        d = self.zero[self.param_fqn[producer]]
+        return steps == (Step("slice", "dp", Replicate(), Shard(d)),)
+
     def local_inputs(self, node: fx.Node, plan: dict, module: str) -> dict[str, fx.Node]:
         out: dict[str, fx.Node] = {}
         for pos, arg in enumerate(consumed_tensors(node)):
             planned = plan.get((node.name, pos))
             if planned is None:
                 out[arg.name] = self.env[arg.name]
+            elif self.is_own_shard(*planned):  # fp8_gather: a ZeRO-3 weight read as its dp shard
+                out[arg.name] = self.shards[arg.name]
             else:
                 producer, dst, steps = planned
                 out[arg.name] = self.redistribute(producer, dst, steps, module)

@@ -27,7 +27,7 @@ aten = torch.ops.aten
 # layout-only ops that move with the collective they feed or unpack
 CHEAP = {aten.movedim.int, aten.clone.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
          aten.cat.default, aten.slice.Tensor, aten.permute.default, aten.constant_pad_nd.default, aten.t.default,
-         aten.transpose.int}
+         aten.transpose.int, aten.view.dtype}
 
 
 def overlap(graph: fx.Graph) -> int:

@@ -31,6 +31,7 @@ def passes() -> list[tuple[str, Pass]]:
     """The pass pipeline, in order."""
     from fxpar.passes.annotate import annotate
     from fxpar.passes.fp8 import fp8
+    from fxpar.passes.fp8_gather import fp8_gather
     from fxpar.passes.insert_collectives import insert_collectives
     from fxpar.passes.overlap import overlap
     from fxpar.passes.propagate import propagate
@@ -43,8 +44,9 @@ def passes() -> list[tuple[str, Pass]]:
         ("annotate", annotate),  # plan + mesh -> placements of params, buffers, inputs
         ("sequence_parallel", sequence_parallel),  # SP: the residual stream to keep sequence-sharded over tp
         ("propagate", propagate),  # sharding through every op of the joint graph (fxpar policy on DTensor rules)
-        ("insert_collectives", insert_collectives),  # placement changes -> explicit collectives + ledger
         ("zero", zero),  # zero>=1: which dim each parameter's dp shard is stored on (lowering gathers/scatters)
+        ("fp8_gather", fp8_gather),  # zero=3 + fp8: weights cast to float8 on their shard, gathered as float8
+        ("insert_collectives", insert_collectives),  # placement changes -> explicit collectives + ledger
         ("recompute", recompute),  # forward values the backward recomputes instead of saving (lowering copies them)
         ("overlap", overlap),  # dp gradient buckets; lowering issues collectives early and waits late
     ]

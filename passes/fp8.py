@@ -129,17 +129,33 @@ def _rewrite(graph: fx.Graph, mm: fx.Node, recipe: str, weights: set[fx.Node], p
         return node
 
     with graph.inserting_before(mm):
+        start = mm.prev
         a8, a_inv = _cast(emit, a, _dtype(a, weights, provenance), dims=[1] if recipe == "rowwise" else [0, 1])
-        b8, b_inv = _cast(emit, b, _dtype(b, weights, provenance), dims=[0] if recipe == "rowwise" else [0, 1])
         # CUDA's _scaled_mm takes a row-major and b column-major (CPU takes any layout)
         if not a8.meta["val"].is_contiguous():
             a8 = emit(aten.clone.default, a8, memory_format=torch.contiguous_format)
+        _tag_weight_cast(start, mm, a, weights)
+        start = mm.prev
+        b8, b_inv = _cast(emit, b, _dtype(b, weights, provenance), dims=[0] if recipe == "rowwise" else [0, 1])
         if b8.meta["val"].stride(0) != 1:
             b8 = emit(aten.t.default, emit(aten.clone.default, emit(aten.t.default, b8),
                                            memory_format=torch.contiguous_format))
+        _tag_weight_cast(start, mm, b, weights)
         out = emit(aten._scaled_mm.default, a8, b8, a_inv, b_inv, None, None, torch.float32)
     mm.replace_all_uses_with(out)
     graph.erase_node(mm)
+
+
+def _tag_weight_cast(start: fx.Node, end: fx.Node, operand: fx.Node, weights: set[fx.Node]) -> None:
+    """Mark the nodes emitted between ``start`` and ``end`` (one operand's cast) with the weight they cast,
+    when the operand is a weight: ``fp8_gather`` may then run that cast on a ZeRO-3 shard."""
+    root = _root(operand)
+    if root not in weights:
+        return
+    n = start.next
+    while n is not end:
+        n.meta["fp8_weight"] = root.name
+        n = n.next
 
 
 def _cast(op: Callable, x: Any, dtype: torch.dtype, dims: list[int]) -> tuple[Any, Any]:

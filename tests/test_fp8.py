@@ -103,3 +103,35 @@ def test_fp8_composes_with_zero3_tp_and_sequence_parallel() -> None:
     fp8 = pool.run(llama_losses, 4, {"dp": 2, "tp": 2}, dataclasses.replace(plan, fp8="tensorwise"), tokens, 3,
                    timeout=300)[0]
     assert fp8 == pytest.approx(fp32, rel=2e-2) and fp8[-1] < fp8[0]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_zero3_gathers_weights_in_float8_at_a_quarter_of_the_bytes(recipe: str) -> None:
+    # the ZeRO-3 all-gather of each weight moves its float8 cast (1 byte per element) instead of fp32; what
+    # remains is the scales: a one-scalar max all-reduce (tensorwise) or the gathered row scales (rowwise)
+    x = torch.randn(4, 16, 64)
+    mesh = fxpar.Mesh({"dp": 2}, fake=True)
+    fp32 = fxpar.parallelize(LlamaMLP(CONFIG), mesh, (x,), plan=fxpar.Plan(zero=3))
+    pm = fxpar.parallelize(LlamaMLP(CONFIG), mesh, (x,), plan=fxpar.Plan(zero=3, fp8=recipe))
+    full = [r for r in fp32.ledger(0) if r.op == "all_gather" and r.phase == "fwd"]
+    f8 = [r for r in pm.ledger(0) if r.op == "all_gather" and r.dtype == E4M3 and r.phase == "fwd"]
+    assert [r.bytes * 4 for r in f8] == [r.bytes for r in full]
+    fp32_gathers = [r for r in pm.ledger(0) if r.op == "all_gather" and r.dtype == torch.float32]
+    out_features = [128, 128, 64]  # gate, up, down: one fp32 scale per weight row
+    if recipe == "tensorwise":
+        assert not fp32_gathers
+    else:
+        assert [r.bytes for r in fp32_gathers if r.phase == "fwd"] == [4 * n for n in out_features]
+    assert "fp8_gather" in pm.program(0).splitlines()[2]  # the passes line of the header
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_zero3_float8_gather_computes_what_the_unsharded_cast_computes(recipe: str) -> None:
+    # casting a shard with the global amax, then gathering, is exactly gathering then casting
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(3))
+    pool = default_pool()
+    [z3, _] = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(zero=3, fp8=recipe), x, timeout=300)
+    [dp, _] = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(fp8=recipe), x, timeout=300)
+    torch.testing.assert_close(z3["output"], dp["output"], rtol=0, atol=0)
+    for name, g in dp["grads"].items():
+        torch.testing.assert_close(z3["grads"][name], g, rtol=1e-6, atol=0, msg=name)
