@@ -41,7 +41,7 @@ class Plan:
     microbatches: int | None = None
     recompute: str | int | None = None
     fp8: str | dict[str, str] | None = None
-    overlap: bool = False
+    overlap: bool = True
     bucket_mb: int = 25
     notes: dict[str, Any] = field(default_factory=dict, compare=False)  # filled by the compiler (split, costs)
 

@@ -27,13 +27,17 @@ def test_hf_llama_megatron_optimum(axes: dict[str, int]) -> None:
             assert all(r.bytes == b_local * s * h * 4 for r in rows)
 
 
-def test_dp_gradient_reduction_is_one_all_reduce_per_parameter() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dp_gradient_reduction_moves_exactly_the_parameter_bytes(overlap: bool) -> None:
+    # DDP's optimum: every gradient byte all-reduced once; one all-reduce per parameter without overlap,
+    # one per bucket with it (the default: 25 MB buckets hold this whole model)
     model = Llama(LlamaConfig())
-    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 4}, fake=True), (torch.randint(0, 256, (8, 16)),))
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 4}, fake=True), (torch.randint(0, 256, (8, 16)),),
+                           plan=fxpar.Plan(overlap=overlap))
     rows = pm.ledger(1)
     assert all(r.axis == "dp" and r.op == "all_reduce" and r.phase == "bwd" for r in rows)
     params = list(model.parameters())
-    assert len(rows) == len(params)
+    assert len(rows) == (1 if overlap else len(params))
     assert sum(r.bytes for r in rows) == sum(p.numel() * 4 for p in params)
 
 

@@ -123,13 +123,18 @@ def test_ledger_two_m_transfers_per_boundary_of_the_hidden_state() -> None:
     assert all(r.shape == (b // dp // m, s, h) for r in rows if r.axis == "pp" and r.op in ("send", "recv"))
 
 
-def test_dp_gradients_are_reduced_once_per_step_not_per_microbatch() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dp_gradients_are_reduced_once_per_step_not_per_microbatch(overlap: bool) -> None:
     pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"pp": 2, "dp": 2}, fake=True), (_tokens(),),
-                           plan=fxpar.Plan(microbatches=4), loss_fn=next_token_loss)
+                           plan=fxpar.Plan(microbatches=4, overlap=overlap), loss_fn=next_token_loss)
     for rank in (0, 2):
         dp_rows = [r for r in pm.ledger(rank) if r.axis == "dp"]
-        params = {fqn for s in pm.stages_of(rank) for fqn, _ in pm._compiled.stages[s].signature.params}
-        assert len(dp_rows) == len(params) and all(r.mb is None and r.op == "all_reduce" for r in dp_rows)
+        stages = [pm._compiled.stages[s] for s in pm.stages_of(rank)]
+        params = [st.node(name).meta["val"] for st in stages for _, name in st.signature.params]
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        assert all(r.mb is None and r.op == "all_reduce" for r in dp_rows)
+        assert len(dp_rows) == (1 if overlap else len(params))  # overlap: one 25 MB bucket holds the stage
+        assert sum(r.bytes for r in dp_rows) == nbytes
 
 
 def test_int_stages_are_cost_balanced_and_shown_in_the_plan() -> None:
@@ -165,7 +170,8 @@ def test_verify_catches_two_swapped_actions() -> None:
 
 
 def test_verify_catches_a_mismatched_collective_order() -> None:
-    pm = fxpar.parallelize(mlp(), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(8, 32),))
+    pm = fxpar.parallelize(mlp(), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(8, 32),),
+                           plan=fxpar.Plan(overlap=False))  # overlap moves the reduction into the backward
     rp = pm.rank_program(1)
     reduce = rp.reduce_grads.graph
     collectives = [n for n in reduce.nodes if n.name.endswith("_allreduce")]
