@@ -40,6 +40,7 @@ PARTIAL_LINEAR = {
     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
     aten.clone.default, aten.alias.default, aten.detach.default, aten.neg.default, aten.mul.Scalar,
     aten.div.Scalar, aten.sum.dim_IntList, aten.sum.default, aten.slice_backward.default,
+    aten.embedding_dense_backward.default,  # linear in the gradient (a batch-free position table)
 }
 PARTIAL_SUMS = {aten.add.Tensor, aten.sub.Tensor}  # partial only if every tensor arg is partial
 MAX_REDUCTIONS = {aten.amax.default}  # may leave a Partial("max") (fp8 scales), completed by a max all-reduce
