@@ -31,6 +31,7 @@ from fxpar.ir import Program, batch_placements, tensor_val
 from fxpar.pipeline import Context
 from fxpar.rules import Candidate, candidates
 from fxpar.rules.batch_views import batch_view_candidate
+from fxpar.rules.scatter_add import is_partial_scatter_add, partial_zeros, scatter_add_candidate
 from fxpar.split import BATCH_AXIS, Splitter, splitter
 
 aten = torch.ops.aten
@@ -127,11 +128,13 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
             cand = Candidate(tuple(Replicate() for _ in cur), _all(val, Replicate()))
         else:
             sharded = stream and prog.mesh.names[ax] == "tp"
-            extra = None
             if prog.mesh.names[ax] == BATCH_AXIS and len(cur) == 1 and isinstance(cur[0], Shard):
                 extra = batch_view_candidate(node, cur[0], split, ax)
-            cand = _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out), sharded,
-                           extra)
+            else:
+                extra = scatter_add_candidate(node, cur)
+            zeros = partial_zeros(node, lambda a, ax=ax: (placements.get(a.name) or (None,) * (ax + 1))[ax], cur)
+            cand = zeros or _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out),
+                                    sharded, extra)
         per_axis_in.append(cand.inputs)
         per_axis_out.append(cand.output)
     arg_placements[node.name] = tuple(tuple(ins) for ins in zip(*per_axis_in, strict=True)) if tensor_args else ()
@@ -273,7 +276,7 @@ def _allowed(node: fx.Node, cand: Candidate, cur: list[Placement], n: int) -> bo
     if any(kept_partial):
         if node.target in PARTIAL_SUMS:
             return all(kept_partial)
-        return node.target in PARTIAL_LINEAR
+        return node.target in PARTIAL_LINEAR or is_partial_scatter_add(node, cand)
     return True
 
 

@@ -96,3 +96,23 @@ def test_policy_refuses_masked_partial_from_vocab_sharded_embedding() -> None:
     found = candidates(aten.embedding.default, (weight, idx), {}, [Shard(0), Replicate()], 2)
     masked = [c for c in found if isinstance(c.output, Partial) and not is_plain_sum(c.output)]
     assert masked, "expected DTensor to offer its masked partial for a vocab-sharded weight"
+
+
+def test_scatter_add_of_row_shards_into_partial_zeros_holds_on_real_shards() -> None:
+    # an MoE expert-weight gradient: index_put(zeros[E, ...], [expert of row], rows, accumulate=True)
+    import torch.fx as fx
+
+    from fxpar.rules.scatter_add import partial_zeros, scatter_add_candidate
+
+    g = fx.Graph()
+    like, idx, rows = g.placeholder("like"), g.placeholder("idx"), g.placeholder("rows")
+    zeros = g.call_function(aten.new_zeros.default, (like, [4, 3, 5]))
+    put = g.call_function(aten.index_put.default, (zeros, [idx], rows, True))
+    sharded = {idx: Shard(0), rows: Shard(0)}
+    assert partial_zeros(zeros, sharded.get, [Shard(0)]).output == Partial()
+    assert partial_zeros(zeros, {idx: Replicate(), rows: Shard(0)}.get, [Shard(0)]) is None  # would count rows twice
+    cand = scatter_add_candidate(put, [Partial(), Shard(0), Shard(0)])
+    assert cand is not None and cand.output == Partial()
+    assert scatter_add_candidate(put, [Partial(), Replicate(), Replicate()]) is None
+    experts = torch.tensor([0, 2, 2, 1, 0, 3, 2, 0])  # repeats: the adds must accumulate
+    check_candidate(aten.index_put.default, (torch.zeros(4, 3, 5), [experts], torch.randn(8, 3, 5), True), {}, cand, 2)

@@ -1,0 +1,88 @@
+"""Hugging Face architecture families, unmodified, through ``fxpar.parallelize`` (issue 10's sweep).
+
+Every family (``fxpar.models.hf_families``: 20 families, tiny random configs) compiles on fake meshes:
+
+* dp=2: the ledger is DDP's optimum, exactly the bytes of the parameters that get a gradient, all-reduced
+  once in the backward, and nothing else moves over dp (no op gathers the batch: every rank computes only
+  its own share);
+* tp=2 with ``Plan(tp="hf")`` for each family whose config carries HF's own tensor-parallel plan (a
+  Megatron plan by module glob, ``hf_families.TP_PLANS``, for the rest that run on gloo).
+
+On real gloo ranks, a subset that covers each distinct class of model (attention kind, fused weights,
+parallel blocks, encoder, encoder-decoder, MoE, learned positions) matches the single device at dp=2 and
+at tp=2: outputs and gradients at fp32 rtol 1e-5, then parameters after 3 AdamW steps
+(``fxpar.testing.tolerance``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.testing import assert_equivalent
+
+pytest.importorskip("transformers")
+from fxpar.models import hf_families  # noqa: E402
+
+HF_PLAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "mixtral",
+           "olmo2", "granite", "starcoder2"}
+ON_GLOO = ["llama", "gemma2", "phi3", "gpt_neox", "bert", "t5", "gpt2", "mixtral"]
+
+
+def _call(model: torch.nn.Module, batch: tuple | dict) -> object:
+    return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+
+def _params_with_grads(family: str) -> list[torch.Tensor]:
+    model = hf_families.builder(family)()
+    out = _call(model, hf_families.inputs(family))
+    out.logits.float().pow(2).mean().backward()
+    return [p for p in model.parameters() if p.grad is not None]
+
+
+def _compile(family: str, axes: dict[str, int], plan: fxpar.Plan | None = None) -> fxpar.ParallelModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxpar.FxparWarning)
+        return fxpar.parallelize(hf_families.builder(family)(), fxpar.Mesh(axes, fake=True),
+                                 hf_families.inputs(family), plan=plan)
+
+
+@pytest.mark.parametrize("family", hf_families.FAMILIES)
+def test_dp_moves_exactly_the_gradient_bytes_and_never_the_batch(family: str) -> None:
+    pm = _compile(family, {"dp": 2})
+    for rank in (0, 1):
+        rows = pm.ledger(rank)
+        assert [r for r in rows if r.op != "all_reduce" or r.phase != "bwd"] == []
+        assert sum(r.bytes for r in rows) == sum(p.numel() * p.element_size() for p in _params_with_grads(family))
+
+
+@pytest.mark.parametrize("family", sorted(HF_PLAN))
+def test_hf_tensor_parallel_plan_compiles_and_shards(family: str) -> None:
+    pm = _compile(family, {"tp": 2}, fxpar.Plan(tp="hf"))
+    sharded = [r for r in pm.ledger(0) if r.axis == "tp"]
+    assert sharded, "the HF plan sharded nothing"
+    assert "tp:S(" in pm.program(0)
+
+
+def test_families_without_an_hf_plan_say_so() -> None:
+    with pytest.raises(fxpar.PlanError, match="tp_plan"):
+        _compile("gpt2", {"tp": 2}, fxpar.Plan(tp="hf"))
+
+
+@pytest.mark.parametrize("family", ON_GLOO)
+def test_matches_single_device_at_dp2(family: str) -> None:
+    torch.manual_seed(0)
+    assert_equivalent(hf_families.builder(family), {"dp": 2}, None, hf_families.inputs(family, seed=1))
+
+
+@pytest.mark.parametrize("family", ON_GLOO)
+def test_matches_single_device_at_tp2(family: str) -> None:
+    # HF's own plan where the config has one, else a Megatron plan by module glob
+    plan = fxpar.Plan(tp="hf" if family in HF_PLAN else hf_families.TP_PLANS[family])
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxpar.FxparWarning)
+        assert_equivalent(hf_families.builder(family), {"tp": 2}, plan, hf_families.inputs(family, seed=1))
