@@ -144,14 +144,17 @@ def _explain_trace_failure(model: torch.nn.Module, e: BaseException) -> str:
 
 
 def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
-    """The innermost traceback frame outside torch itself: the user's line."""
-    best = None
+    """The innermost traceback frame outside torch itself: the user's line; failing that, the innermost one in
+    an installed library other than torch (a Hugging Face model's own code lives in site-packages)."""
+    best = library = None
     while e is not None:
         for fr in traceback.extract_tb(e.__traceback__):
             if _is_user_file(fr.filename):
                 best = fr
+            elif "site-packages" in fr.filename and not os.path.abspath(fr.filename).startswith(_TORCH_DIR):
+                library = fr
         e = e.__cause__ or e.__context__
-    return best
+    return best or library
 
 
 def _split_addmm(gm: fx.GraphModule) -> None:

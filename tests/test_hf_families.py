@@ -86,3 +86,10 @@ def test_matches_single_device_at_tp2(family: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fxpar.FxparWarning)
         assert_equivalent(hf_families.builder(family), {"tp": 2}, plan, hf_families.inputs(family, seed=1))
+
+
+def test_data_dependent_model_code_is_a_capture_error_at_its_line() -> None:
+    # HF's eager MoE loops in Python over the experts that received tokens: the error names that line
+    with pytest.raises(fxpar.CaptureError, match=r"modeling_mixtral\.py:\d+: for expert_idx in expert_hit"):
+        fxpar.parallelize(hf_families.mixtral_eager_experts(), fxpar.Mesh({"dp": 2}, fake=True),
+                          hf_families.inputs("mixtral"))

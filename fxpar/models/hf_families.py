@@ -115,6 +115,12 @@ def mixtral() -> torch.nn.Module:
                   experts_implementation="batched_mm", **_decoder_kw())
 
 
+def mixtral_eager_experts() -> torch.nn.Module:
+    """Mixtral with HF's eager experts: a Python loop over the experts that got tokens (data-dependent)."""
+    return _build("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                  experts_implementation="eager", **_decoder_kw())
+
+
 def olmo2() -> torch.nn.Module:
     return _build("Olmo2Config", "Olmo2ForCausalLM", **_decoder_kw())
 
