@@ -34,7 +34,9 @@ SHAPE_ARG = {
     aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
     aten.new_empty.default: 1, aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_full.default: 1,
     aten.slice_backward.default: 1, aten.select_backward.default: 1,
+    aten.empty.memory_format: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.full.default: 0,
 }
+ARANGES = {aten.arange.default: 0, aten.arange.start: 1, aten.arange.start_step: 1}  # index of ``end``
 SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 VIEWS = {aten.view.default, aten._unsafe_view.default}
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
@@ -469,6 +471,12 @@ class _Lowerer:
             i = SHAPE_ARG[target]
             shape = self.split.local_shape(node.meta["val"].shape, placements, self.coord)
             args = (*args[:i], shape, *args[i + 1:])
+        if target in ARANGES and isinstance(placements, tuple) and any(isinstance(p, Shard) for p in placements):
+            # only inside a token-local region (fxpar.rules.token_local): this rank's own row indices
+            i = ARANGES[target]
+            assert i == 0 or args[0] == 0, "a sharded arange starts at 0"
+            size = self.split.local_shape(node.meta["val"].shape, placements, self.coord)[0]
+            args = (*args[:i], size, *args[i + 1:])
         if target in VIEWS:
             self.check_uneven_view(node, placements)
         if target in VIEWS and not _viewable(args[0].meta["val"], args[1], self.fake):

@@ -32,6 +32,7 @@ from fxpar.pipeline import Context
 from fxpar.rules import Candidate, candidates
 from fxpar.rules.batch_views import batch_view_candidate
 from fxpar.rules.scatter_add import is_partial_scatter_add, partial_zeros, scatter_add_candidate
+from fxpar.rules.token_local import TokenLocal
 from fxpar.split import BATCH_AXIS, Splitter, splitter
 
 aten = torch.ops.aten
@@ -73,13 +74,14 @@ def propagate(prog: Program, ctx: Context) -> Program:
     split = splitter(prog)
     outputs = _output_targets(prog, placements, split.batch)
     stream = prog.notes.get("sequence_parallel", frozenset())
+    local = TokenLocal(prog, ctx.model)
     for name, idx in prog.signature.tangents:
         placements[name] = outputs[idx]
     for node in prog.graph.nodes:
         if node.op == "get_attr":
             placements[node.name] = _replicated(prog)
         elif node.op == "call_function":
-            _place_call(prog, node, placements, arg_placements, param_like, split, node.name in stream)
+            _place_call(prog, node, placements, arg_placements, param_like, split, node.name in stream, local)
         elif node.op == "output":
             arg_placements[node.name] = tuple(outputs)
     return prog.replace("propagate", placements=placements, arg_placements=arg_placements)
@@ -109,7 +111,7 @@ def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None
 
 def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
                 arg_placements: dict[str, tuple[Any, ...]], param_like: set[str], split: Splitter,
-                stream: bool = False) -> None:
+                stream: bool = False, local: TokenLocal | None = None) -> None:
     if node.target is __import__("operator").getitem:
         src = placements.get(node.args[0].name)
         if src is not None:
@@ -124,8 +126,12 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
     per_axis_in, per_axis_out = [], []
     for ax, n in enumerate(prog.mesh.shape):
         cur = [placements[a.name][ax] for a in tensor_args]
+        in_region = local is not None and node.name in local and prog.mesh.names[ax] == BATCH_AXIS
+        region_cand = local.candidate(node, tensor_args, cur) if in_region and n > 1 else None
         if n == 1:
             cand = Candidate(tuple(Replicate() for _ in cur), _all(val, Replicate()))
+        elif region_cand is not None:
+            cand = region_cand
         else:
             sharded = stream and prog.mesh.names[ax] == "tp"
             if prog.mesh.names[ax] == BATCH_AXIS and len(cur) == 1 and isinstance(cur[0], Shard):

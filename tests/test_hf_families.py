@@ -1,6 +1,7 @@
 """Hugging Face architecture families, unmodified, through ``fxpar.parallelize`` (issue 10's sweep).
 
-Every family (``fxpar.models.hf_families``: 20 families, tiny random configs) compiles on fake meshes:
+Every family (``fxpar.models.hf_families``: 23 models from 22 families, tiny random configs) compiles on fake
+meshes:
 
 * dp=2: the ledger is DDP's optimum, exactly the bytes of the parameters that get a gradient, all-reduced
   once in the backward, and nothing else moves over dp (no op gathers the batch: every rank computes only
@@ -28,8 +29,8 @@ pytest.importorskip("transformers")
 from fxpar.models import hf_families  # noqa: E402
 
 HF_PLAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "mixtral",
-           "olmo2", "granite", "starcoder2"}
-ON_GLOO = ["llama", "gemma2", "phi3", "gpt_neox", "bert", "t5", "gpt2", "mixtral"]
+           "mixtral_batched", "qwen2_moe", "olmoe", "olmo2", "granite", "starcoder2"}
+ON_GLOO = ["llama", "gemma2", "phi3", "gpt_neox", "bert", "t5", "gpt2", "mixtral", "mixtral_batched", "qwen2_moe"]
 
 
 def _call(model: torch.nn.Module, batch: tuple | dict) -> object:
@@ -93,3 +94,14 @@ def test_data_dependent_model_code_is_a_capture_error_at_its_line() -> None:
     with pytest.raises(fxpar.CaptureError, match=r"modeling_mixtral\.py:\d+: for expert_idx in expert_hit"):
         fxpar.parallelize(hf_families.mixtral_eager_experts(), fxpar.Mesh({"dp": 2}, fake=True),
                           hf_families.inputs("mixtral"))
+
+
+@pytest.mark.parametrize("axes,plan", [({"dp": 2, "tp": 2}, fxpar.Plan(tp="hf")), ({"dp": 2}, fxpar.Plan(zero=3))],
+                         ids=["dp2xtp2", "dp2_zero3"])
+def test_moe_experts_run_on_each_ranks_own_tokens_with_tp_and_zero3(axes: dict[str, int], plan: fxpar.Plan) -> None:
+    # HF's experts module is token-wise: each dp rank sorts and groups only its own tokens
+    # (fxpar.rules.token_local), its weight gradients are partial sums all-reduced (or reduce-scattered) once
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxpar.FxparWarning)
+        assert_equivalent(hf_families.mixtral, axes, plan, hf_families.inputs("mixtral", seed=1))

@@ -109,10 +109,25 @@ def bart() -> torch.nn.Module:
 
 
 def mixtral() -> torch.nn.Module:
-    """Mixtral with HF's ``batched_mm`` experts (each token's expert weights picked by index): token-local, so
-    plain data parallel. HF's default ``grouped_mm`` sorts every token by expert first (see README)."""
+    """Mixtral with HF's default experts (``grouped_mm``: tokens sorted by expert, one grouped matmul)."""
+    return _build("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2, **_decoder_kw())
+
+
+def mixtral_batched() -> torch.nn.Module:
+    """Mixtral with HF's ``batched_mm`` experts: each token's expert weights picked by index, so the expert
+    weights' gradients are scatter-adds over tokens."""
     return _build("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
                   experts_implementation="batched_mm", **_decoder_kw())
+
+
+def qwen2_moe() -> torch.nn.Module:
+    return _build("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=64, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+                  mlp_only_layers=[], **_decoder_kw())
+
+
+def olmoe() -> torch.nn.Module:
+    return _build("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2, **_decoder_kw())
 
 
 def mixtral_eager_experts() -> torch.nn.Module:
@@ -153,7 +168,10 @@ FEATURES = {
     "bert": "encoder: token-type and position embeddings, padding mask",
     "t5": "encoder-decoder, relative position bias",
     "bart": "encoder-decoder, learned positions",
-    "mixtral": "MoE (top-2 of 4 experts)",
+    "mixtral": "MoE, top-2 of 4 experts, HF's default grouped_mm experts",
+    "mixtral_batched": "MoE with batched_mm experts (scatter-add weight gradients)",
+    "qwen2_moe": "MoE with a gated shared expert",
+    "olmoe": "MoE with q/k norms",
     "olmo2": "q/k norms over the full width, post-norms",
     "stablelm": "partial rotary, LayerNorm",
     "granite": "scaled residuals and logits",
