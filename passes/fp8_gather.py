@@ -51,8 +51,9 @@ def fp8_gather(prog: Program, ctx: Context) -> Program:
         for n, p in dp_of.items():
             placements[n.name] = _with(placements[n.name], ax, p)
         for n in dp_of:
-            arg_placements[n.name] = tuple(_required(a, dp_of, placements, ax, dims[weight])
-                                           for a in consumed_tensors(n))
+            arg_placements[n.name] = tuple(_required(a, req, dp_of, ax, dims[weight])
+                                           for a, req in zip(consumed_tensors(n), prog.arg_placements[n.name],
+                                                             strict=True))
         done.append(weight)
     if not done:
         return prog
@@ -113,14 +114,14 @@ def _through(n: fx.Node, src: Placement) -> Placement | None:
     return None
 
 
-def _required(arg: fx.Node | None, dp_of: dict[fx.Node, Placement], placements: dict, ax: int, dim: int) -> object:
-    """What a cast node needs of ``arg``: the weight as its dp shard, a partial amax reduced, the rest as is."""
-    if arg is None:
-        return None
-    p = placements[arg.name]
+def _required(arg: fx.Node | None, req: tuple | None, dp_of: dict[fx.Node, Placement], ax: int, dim: int) -> object:
+    """What a cast node needs of ``arg`` over dp: the weight as its dp shard, a partial amax reduced, the rest as
+    the cast now places it. The other axes keep what propagation required (a tp-partial amax is reduced too)."""
+    if arg is None or req is None:
+        return req
     if arg not in dp_of:  # the weight itself
-        return _with(p, ax, Shard(dim))
-    return _with(p, ax, Replicate()) if isinstance(dp_of[arg], Partial) else p
+        return _with(req, ax, Shard(dim))
+    return _with(req, ax, Replicate() if isinstance(dp_of[arg], Partial) else dp_of[arg])
 
 
 def _with(placements: tuple, ax: int, p: Placement) -> tuple:

@@ -39,6 +39,9 @@ def insert_collectives(prog: Program, ctx: Context) -> Program:
         for pos, (arg, dst) in enumerate(zip(consumed_tensors(node), required, strict=True)):
             if arg is None or dst is None:
                 continue
+            if any(type(p) is Partial and p.reduce_op != "sum" for p in dst):
+                raise AssertionError(f"{node.name} would read {arg.name} as {dst}: only a sum partial may be "
+                                     "consumed as one; a max partial (an fp8 amax) must be all-reduced first")
             src = prog.placements[arg.name]
             if src != dst:
                 plan[(node.name, pos)] = (arg.name, dst, steps_between(prog.mesh.names, src, dst))

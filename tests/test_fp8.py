@@ -126,12 +126,16 @@ def test_zero3_gathers_weights_in_float8_at_a_quarter_of_the_bytes(recipe: str) 
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_zero3_float8_gather_computes_what_the_unsharded_cast_computes(recipe: str) -> None:
-    # casting a shard with the global amax, then gathering, is exactly gathering then casting
+@pytest.mark.parametrize("axes", [{"dp": 2}, {"dp": 2, "tp": 2}], ids=["dp2", "dp2xtp2"])
+def test_zero3_float8_gather_computes_what_the_unsharded_cast_computes(recipe: str, axes: dict[str, int]) -> None:
+    # casting a shard with the global amax (a max over dp and tp shards), then gathering, is exactly gathering
+    # then casting: outputs bitwise equal, gradients up to the reduce-scatter's vs the all-reduce's order
     x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(3))
+    tp = MLP_PLAN if "tp" in axes else {}
+    world = 2 * axes.get("tp", 1)
     pool = default_pool()
-    [z3, _] = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(zero=3, fp8=recipe), x, timeout=300)
-    [dp, _] = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(fp8=recipe), x, timeout=300)
+    z3 = pool.run(fp8_step, world, CONFIG, axes, fxpar.Plan(tp=tp, zero=3, fp8=recipe), x, timeout=300)[0]
+    dp = pool.run(fp8_step, world, CONFIG, axes, fxpar.Plan(tp=tp, fp8=recipe), x, timeout=300)[0]
     torch.testing.assert_close(z3["output"], dp["output"], rtol=0, atol=0)
     for name, g in dp["grads"].items():
         torch.testing.assert_close(z3["grads"][name], g, rtol=1e-6, atol=0, msg=name)

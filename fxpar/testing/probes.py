@@ -99,8 +99,8 @@ def checkpoint_round(folder: str, save: bool, model_fn: Any, mesh_axes: dict[str
 
 def fp8_step(config: Any, mesh_axes: dict[str, int], plan: Any, x: torch.Tensor) -> dict[str, Any]:
     """Rank body: the bundled Llama MLP (``config``, seed 0) under ``plan`` on ``mesh_axes``, one forward on this
-    rank's dp piece of ``x`` and a backward of ``mean(out ** 2)``; the full output (gathered when the mesh is
-    dp alone) and full parameter gradients (DTensors gathered)."""
+    rank's dp piece of ``x`` and a backward of ``mean(out ** 2)``; the full output (dp pieces gathered) and full
+    parameter gradients (DTensors gathered)."""
     import fxpar
     from fxpar.models.llama import MLP
 
@@ -111,10 +111,12 @@ def fp8_step(config: Any, mesh_axes: dict[str, int], plan: Any, x: torch.Tensor)
     local = x.tensor_split(dp)[mesh.coord(dist.get_rank())[mesh.axis_index("dp")]] if dp > 1 else x
     out = pm(local)
     out.pow(2).mean().backward()
-    if dp > 1:  # a dp-only mesh: rank i holds dp piece i
+    if dp > 1:  # the dp pieces, in dp order, from the ranks at the first coordinate of every other axis
         pieces = [torch.empty_like(out) for _ in range(dist.get_world_size())]
         dist.all_gather(pieces, out.detach().contiguous())
-        out = torch.cat(pieces)
+        ax = mesh.axis_index("dp")
+        firsts = [r for r in range(mesh.size) if all(c == 0 for i, c in enumerate(mesh.coord(r)) if i != ax)]
+        out = torch.cat([pieces[r] for r in sorted(firsts, key=lambda r: mesh.coord(r)[ax])])
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in
              pm.named_parameters()}
     return {"output": out.detach(), "grads": grads}
