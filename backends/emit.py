@@ -10,9 +10,11 @@ from fxpar.printer import group_vars, print_rank_programs
 
 PRELUDE = '''import torch
 
+import fxpar.ops
 from fxpar.backends import comm
 
 aten = torch.ops.aten
+fxpar = torch.ops.fxpar  # fxpar's own ops (fxpar.ops), e.g. fxpar.bmm4
 constants: dict = {{}}  # lifted tensor constants, if the program uses any
 {groups}
 '''

@@ -74,10 +74,10 @@ def _arg(a: Any, groups: dict[str, str]) -> str:
 def _target(t: Any) -> str:
     if t in _COMM:
         return _COMM[t]
-    if isinstance(t, torch._ops.OpOverload):
-        packet, overload = t.name().split("::")[1].split(".") + ["default"] if "." not in t.name() else (
-            t.name().split("::")[1].split(".", 1))
-        return f"aten.{packet}" if overload == "default" else f"aten.{packet}.{overload}"
+    if isinstance(t, torch._ops.OpOverload):  # "aten::mm.default" -> aten.mm, "fxpar::bmm4" -> fxpar.bmm4
+        namespace, name = t.name().split("::")
+        packet, overload = name.split(".", 1) if "." in name else (name, "default")
+        return f"{namespace}.{packet}" if overload == "default" else f"{namespace}.{packet}.{overload}"
     return getattr(t, "__name__", str(t))
 
 

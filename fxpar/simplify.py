@@ -76,3 +76,67 @@ def _is_batch_arange(i0: fx.Node, x: fx.Node) -> bool:
         step = n.args[2] if len(n.args) > 2 else 1
         return n.args[0] == 0 and n.args[1] == rows and step == 1
     return False
+
+
+FLAT_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+LAYOUT_ONLY = {*FLAT_VIEWS, aten.transpose.int, aten.expand.default, aten.clone.default}
+
+
+def bmm_over_heads(gm: fx.GraphModule) -> int:
+    """``bmm`` over ``B * H`` flattened rows, unflattened after, -> ``fxpar::bmm4`` on the 4-D tensors.
+
+    Eager attention (and the backward of any 4-D ``matmul``) flattens ``[B, H, M, K]`` to ``[B * H, M, K]`` before
+    ``bmm``. With heads sharded that flatten is not a plain shard, so propagation would gather q, k and v and
+    run attention whole on every rank. ``bmm4`` computes the same products on the 4-D tensors, sharded on either
+    batch dim.
+
+    Requires: a ``bmm`` whose operands are each a flattening view of a 4-D ``[B, H, ...]`` tensor (or the
+    transpose of its last two dims of one) and whose only user views the result as ``[B, H, M, N]``.
+    Ensures: that view's users read ``bmm4(a4, b4)`` instead (the same values); the bmm and views nothing else
+    reads are erased. Other ``bmm`` ops are untouched. Returns how many were rewritten.
+    """
+    import fxpar.ops  # noqa: F401  (defines torch.ops.fxpar.bmm4)
+
+    rewritten = 0
+    for n in list(gm.graph.nodes):
+        if n.target is not aten.bmm.default or len(n.users) != 1:
+            continue
+        (out,) = n.users
+        if out.target not in FLAT_VIEWS or out.meta["val"].ndim != 4:
+            continue
+        heads = tuple(out.meta["val"].shape[:2])
+        with gm.graph.inserting_before(out):
+            operands = [_four_d(gm.graph, a, heads) for a in n.args]
+            if any(o is None for o in operands):
+                continue
+            new = gm.graph.call_function(torch.ops.fxpar.bmm4.default, tuple(operands))
+            new.meta.update({k: v for k, v in out.meta.items() if k != "val"})
+            new.meta["val"] = out.meta["val"].new_empty(out.meta["val"].shape)
+        out.replace_all_uses_with(new)
+        for dead in (out, n):
+            _erase_unused_chain(gm.graph, dead)
+        rewritten += 1
+    if rewritten:
+        for node in reversed(list(gm.graph.nodes)):  # the flattening copies and views left without users
+            if node.op == "call_function" and not node.users and node.target in LAYOUT_ONLY:
+                gm.graph.erase_node(node)
+        gm.recompile()
+    return rewritten
+
+
+def _four_d(graph: fx.Graph, a: fx.Node, heads: tuple[int, int]) -> fx.Node | None:
+    """The 4-D ``[B, H, ...]`` tensor ``a`` flattens (a new transpose node for a transposed operand), or None."""
+    transposed = a.target is aten.transpose.int and sorted(d % 3 for d in a.args[1:3]) == [1, 2]
+    view = a.args[0] if transposed else a
+    if view.target not in FLAT_VIEWS:
+        return None
+    x = view.args[0]
+    shape = tuple(x.meta["val"].shape)
+    if len(shape) != 4 or shape[:2] != heads or tuple(view.meta["val"].shape) != (shape[0] * shape[1], *shape[2:]):
+        return None
+    if not transposed:
+        return x
+    t = graph.call_function(aten.transpose.int, (x, 2, 3))
+    t.meta.update({k: v for k, v in a.meta.items() if k != "val"})
+    t.meta["val"] = x.meta["val"].transpose(2, 3)
+    return t

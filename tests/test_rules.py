@@ -116,3 +116,15 @@ def test_scatter_add_of_row_shards_into_partial_zeros_holds_on_real_shards() -> 
     assert scatter_add_candidate(put, [Partial(), Replicate(), Replicate()]) is None
     experts = torch.tensor([0, 2, 2, 1, 0, 3, 2, 0])  # repeats: the adds must accumulate
     check_candidate(aten.index_put.default, (torch.zeros(4, 3, 5), [experts], torch.randn(8, 3, 5), True), {}, cand, 2)
+
+
+def test_bmm4_candidates_hold_on_real_shards() -> None:
+    # fxpar::bmm4, the 4-D batched matmul eager attention is rewritten to (fxpar.simplify.bmm_over_heads)
+    import fxpar.ops  # noqa: F401
+
+    op = torch.ops.fxpar.bmm4.default
+    args = (torch.randn(2, 4, 6, 8), torch.randn(2, 4, 8, 10))
+    found = candidates(op, args, {}, [Replicate(), Replicate()], 2)
+    assert {c.output for c in found} >= {Shard(0), Shard(1), Shard(2), Shard(3), Partial()}
+    for cand in found:
+        check_candidate(op, args, {}, cand, 2)
