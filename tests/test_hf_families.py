@@ -105,3 +105,13 @@ def test_moe_experts_run_on_each_ranks_own_tokens_with_tp_and_zero3(axes: dict[s
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fxpar.FxparWarning)
         assert_equivalent(hf_families.mixtral, axes, plan, hf_families.inputs("mixtral", seed=1))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "t5"])
+def test_eager_attention_stays_head_sharded_at_tp(family: str) -> None:
+    # eager attention's matmuls over flattened batch x heads run as fxpar::bmm4 on the 4-D tensors
+    plan = fxpar.Plan(tp="hf" if family in HF_PLAN else hf_families.TP_PLANS[family])
+    text = _compile(family, {"tp": 2}, plan).program(0)
+    assert "fxpar.bmm4(" in text and "aten.bmm(" not in text
+    gathers = [line for line in text.splitlines() if "_gathered = comm.wait(" in line]
+    assert not [line for line in gathers if "self_attn" in line or "Attention" in line]
