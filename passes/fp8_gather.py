@@ -69,8 +69,7 @@ def _dp_placements(weight: fx.Node, dim: int, casts: list[fx.Node]) -> dict[fx.N
     out: dict[fx.Node, Placement] = {}
     order = [*_transposes_to(weight, tagged), *casts]
     for n in order:
-        args = [a for a in n.all_input_nodes]
-        first = weight if args[0] is weight else args[0]
+        first = n.all_input_nodes[0]  # the value a cast op transforms (a scale comes second)
         src = Shard(dim) if first is weight else out.get(first)
         if src is None:
             return None
