@@ -7,10 +7,12 @@ so ``make bench`` regenerates the tables in place and the prose around them stay
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import re
+import time
 from fractions import Fraction
 from typing import Any
 
@@ -86,6 +88,23 @@ def publish(name: str, section: str, lines: list[str], data: Any, readme: bool, 
     if readme:
         write_readme_section(section, lines)
     return path
+
+
+def bench_args(doc: str) -> argparse.Namespace:
+    """The command line every single-command benchmark takes: ``--no-readme`` (print only)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
+    return parser.parse_args()
+
+
+def publish_gloo_run(name: str, section: str, command: str, lines: list[str], results: Any, t0: float,
+                     readme: bool, config: dict[str, Any], batch: int, seq: int, **data: Any) -> None:
+    """``publish`` a gloo-rank benchmark of the bundled Llama: the environment, its ``config`` and batch, the
+    wall time since ``t0``, any further ``data``, and every rank's ``results``; print where it went."""
+    env = {**environment(), "backend": "gloo", "config": config, "batch": batch, "seq": seq,
+           "wall_s": time.perf_counter() - t0}
+    path = publish(name, section, lines, {"env": env, "command": command, **data, "ranks": results}, readme)
+    print(f"wrote {path} ({env['wall_s']:.0f} s)")
 
 
 def interleaved_step_times(runs: dict[str, tuple[Any, Any]], steps: int, rounds: int) -> dict[str, list[float]]:

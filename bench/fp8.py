@@ -17,11 +17,10 @@ Results go to ``bench/results/fp8.json`` and the ``fp8`` section of ``bench/READ
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
-from common import environment, markdown_table, publish
+from common import bench_args, environment, markdown_table, publish
 from fxpar.passes.fp8 import E4M3, E5M2, quantize
 
 import fxpar
@@ -57,9 +56,7 @@ def zero3_gather_bytes(recipe: str) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
-    args = parser.parse_args()
+    args = bench_args(__doc__)
     t0 = time.perf_counter()
     x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)

@@ -19,7 +19,6 @@ Results go to ``bench/results/overlap.json`` and the ``overlap`` section of ``be
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
-from common import BENCH_DIR, environment, interleaved_step_times, markdown_table, publish, step_time_table
+from common import BENCH_DIR, bench_args, interleaved_step_times, markdown_table, publish_gloo_run, step_time_table
 
 import fxpar
 from fxpar.models.llama import Llama, LlamaConfig
@@ -125,9 +124,7 @@ def report(res: dict[str, Any]) -> list[str]:
 def main() -> None:
     from fxpar.testing.launch import run_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
-    args = parser.parse_args()
+    args = bench_args(__doc__)
     t0 = time.perf_counter()
     results = run_ranks(rank_main, DP, timeout=900, collective_timeout=120)
     trace = os.path.join(BENCH_DIR, "results", "overlap_trace_rank0.json")
@@ -140,11 +137,7 @@ def main() -> None:
              f"batch {BATCH} x seq {SEQ}; bucket_mb=1; rank 0's numbers; step time max over ranks, median of "
              f"{STEPS} steps in {ROUNDS} interleaved rounds; waits in `bench/results/overlap_trace_rank0.json`)", "",
              *report(results[0])]
-    env = {**environment(), "backend": "gloo", "config": CONFIG, "batch": BATCH, "seq": SEQ,
-           "wall_s": time.perf_counter() - t0}
-    path = publish("overlap", "overlap", lines, {"env": env, "command": COMMAND, "ranks": results},
-                   not args.no_readme)
-    print(f"wrote {path} ({env['wall_s']:.0f} s)")
+    publish_gloo_run("overlap", "overlap", COMMAND, lines, results, t0, not args.no_readme, CONFIG, BATCH, SEQ)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,13 @@ Results go to ``bench/results/recompute.json`` and the ``recompute`` section of 
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import environment, interleaved_step_times, markdown_table, publish, step_time_table
+from common import bench_args, interleaved_step_times, markdown_table, publish_gloo_run, step_time_table
 
 import fxpar
 from fxpar.models.llama import Llama, LlamaConfig, llama_plan
@@ -110,19 +109,13 @@ def report(res: dict[str, Any]) -> list[str]:
 def main() -> None:
     from fxpar.testing.launch import run_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
-    args = parser.parse_args()
+    args = bench_args(__doc__)
     t0 = time.perf_counter()
     results = run_ranks(rank_main, TP, timeout=900, collective_timeout=120)
     lines = [f"`{COMMAND}` (tp=2, 2 gloo ranks; Llama {CONFIG['n_layers']} layers, hidden {CONFIG['hidden']}, "
              f"{CONFIG['n_heads']} heads; batch {BATCH} x seq {SEQ}; rank 0's numbers; step time max over ranks, "
              f"median of {STEPS} steps in {ROUNDS} interleaved rounds)", "", *report(results[0])]
-    env = {**environment(), "backend": "gloo", "config": CONFIG, "batch": BATCH, "seq": SEQ,
-           "wall_s": time.perf_counter() - t0}
-    path = publish("recompute", "recompute", lines, {"env": env, "command": COMMAND, "ranks": results},
-                   not args.no_readme)
-    print(f"wrote {path} ({env['wall_s']:.0f} s)")
+    publish_gloo_run("recompute", "recompute", COMMAND, lines, results, t0, not args.no_readme, CONFIG, BATCH, SEQ)
 
 
 if __name__ == "__main__":

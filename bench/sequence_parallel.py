@@ -27,7 +27,6 @@ Results go to ``bench/results/sequence_parallel.json`` and the ``sp`` section of
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import environment, interleaved_step_times, markdown_table, publish, step_time_table
+from common import bench_args, interleaved_step_times, markdown_table, publish_gloo_run, step_time_table
 from dtensor_baseline import count_collectives, dtensor_megatron
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -180,9 +179,7 @@ def report(res: dict[str, Any]) -> list[str]:
 def main() -> None:
     from fxpar.testing.launch import run_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
-    args = parser.parse_args()
+    args = bench_args(__doc__)
     t0 = time.perf_counter()
     results = run_ranks(rank_main, TP, timeout=600, collective_timeout=120)
     bsh = BATCH * SEQ * CONFIG["hidden"] * 4
@@ -190,11 +187,7 @@ def main() -> None:
              f"vocab {CONFIG['vocab_size']}; batch {BATCH} x seq {SEQ}; b*s*h*4 = {bsh:,} B; rank 0's numbers; "
              f"step time max over ranks, median of {STEPS} steps in {ROUNDS} interleaved rounds)",
              "", *report(results[0])]
-    env = {**environment(), "backend": "gloo", "config": CONFIG, "batch": BATCH, "seq": SEQ,
-           "wall_s": time.perf_counter() - t0}
-    path = publish("sequence_parallel", "sp", lines, {"env": env, "command": COMMAND, "ranks": results},
-                   not args.no_readme)
-    print(f"wrote {path} ({env['wall_s']:.0f} s)")
+    publish_gloo_run("sequence_parallel", "sp", COMMAND, lines, results, t0, not args.no_readme, CONFIG, BATCH, SEQ)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ Results go to ``bench/results/zero.json`` and the ``zero`` section of ``bench/RE
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 from functools import partial
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import environment, interleaved_step_times, markdown_table, publish, ratio, step_time_table
+from common import bench_args, interleaved_step_times, markdown_table, publish_gloo_run, ratio, step_time_table
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -195,9 +194,7 @@ def report(res: dict[str, Any], psi: int) -> list[str]:
 def main() -> None:
     from fxpar.testing.launch import run_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
-    args = parser.parse_args()
+    args = bench_args(__doc__)
     t0 = time.perf_counter()
     results = run_ranks(rank_main, DP, timeout=600, collective_timeout=120)
     psi = sum(p.numel() * 4 for p in Llama(LlamaConfig(**CONFIG)).parameters())
@@ -205,11 +202,7 @@ def main() -> None:
              f"vocab {CONFIG['vocab_size']}; batch {BATCH} x seq {SEQ}; Psi = {psi:,} B; rank 0's numbers; step "
              f"time max over ranks, median of {STEPS} steps in {ROUNDS} interleaved rounds)", "",
              *report(results[0], psi)]
-    env = {**environment(), "backend": "gloo", "config": CONFIG, "batch": BATCH, "seq": SEQ,
-           "wall_s": time.perf_counter() - t0}
-    path = publish("zero", "zero", lines, {"env": env, "command": COMMAND, "psi": psi, "ranks": results},
-                   not args.no_readme)
-    print(f"wrote {path} ({env['wall_s']:.0f} s)")
+    publish_gloo_run("zero", "zero", COMMAND, lines, results, t0, not args.no_readme, CONFIG, BATCH, SEQ, psi=psi)
 
 
 if __name__ == "__main__":
