@@ -138,7 +138,7 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
                 extra = batch_view_candidate(node, cur[0], split, ax)
             else:
                 extra = scatter_add_candidate(node, cur)
-            zeros = partial_zeros(node, lambda a, ax=ax: (placements.get(a.name) or (None,) * (ax + 1))[ax], cur)
+            zeros = partial_zeros(node, lambda a, ax=ax: _placed_on(placements, a, ax), cur)
             cand = zeros or _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out),
                                     sharded, extra)
         per_axis_in.append(cand.inputs)
@@ -151,6 +151,12 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
         placements[node.name] = tuple(per_axis_out)
     if node.target in VIEW_LIKE and tensor_args and tensor_args[0].name in param_like:
         param_like.add(node.name)
+
+
+def _placed_on(placements: dict[str, Any], node: fx.Node, ax: int) -> Placement | None:
+    """``node``'s placement on mesh axis ``ax``, or None when it is not placed yet."""
+    p = placements.get(node.name)
+    return p[ax] if isinstance(p, tuple) and len(p) > ax else None
 
 
 def _has_tensor_output(val: Any) -> bool:

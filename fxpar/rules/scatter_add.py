@@ -59,8 +59,7 @@ def scatter_add_candidate(node: fx.Node, current: list[Placement]) -> Candidate 
 
 def is_partial_scatter_add(node: fx.Node, cand: Candidate) -> bool:
     """Whether ``cand`` is ``scatter_add_candidate``'s: the one way a scatter-add keeps a partial base."""
-    return is_scatter_add(node) and _is_sum(cand.inputs[0]) and all(
-        isinstance(p, Shard) and p.dim == 0 for p in cand.inputs[1:]) and len(cand.inputs) == _n_tensors(node)
+    return len(cand.inputs) == _n_tensors(node) and cand == scatter_add_candidate(node, list(cand.inputs))
 
 
 def _n_tensors(node: fx.Node) -> int:
