@@ -25,7 +25,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from fxpar.errors import CaptureError
 from fxpar.ir import Program, Provenance, Signature
 from fxpar.mesh import Mesh
-from fxpar.simplify import bmm_over_heads, drop_identity_batch_index
+from fxpar.simplify import bmm_over_heads, drop_identity_batch_index, tokens_unflattened
+from fxpar.split import CONTEXT_AXIS
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXPAR_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +84,8 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         _split_addmm(gm)
         drop_identity_batch_index(gm)
         bmm_over_heads(gm)
+        if mesh.axes.get(CONTEXT_AXIS, 1) > 1:  # the sequence is sharded: keep Linear's tokens un-flattened
+            tokens_unflattened(gm)
     signature = _signature(gm, joint, args, _canonical_names(model))
     provenance = {n.name: _provenance(n) for n in gm.graph.nodes if n.op != "output"}
     return Program(gm=gm, mesh=mesh, signature=signature, provenance=provenance)

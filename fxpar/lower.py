@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fxpar.ir import Placements, Program
 from fxpar.overlap import inline_reduction, overlap
 from fxpar.passes.insert_collectives import Step, consumed_tensors
-from fxpar.split import BATCH_AXIS, dp_share, splitter
+from fxpar.split import BATCH_AXIS, CONTEXT_AXIS, dp_share, splitter
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -40,6 +40,11 @@ ARANGES = {aten.arange.default: 0, aten.arange.start: 1, aten.arange.start_step:
 SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 VIEWS = {aten.view.default, aten._unsafe_view.default}
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+CAUSAL_ATTENTION = {  # kernel -> index of its is_causal argument
+    aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7,
+}
 
 
 @dataclass(frozen=True)
@@ -231,8 +236,33 @@ class _Lowerer:
     def own_piece(self, x: fx.Node, d: int, axis: str, after: Any, module: str) -> fx.Node:
         """This rank's piece of dim ``d`` of a value whole on ``axis`` (uneven sizes as ``fxpar.split`` says)."""
         ax = self.mesh.axis_index(axis)
-        start, size = self.split.piece(x.meta["val"].shape[d], ax, self.coord[ax])
+        total = x.meta["val"].shape[d]
+        if self.split.balanced(total, ax):  # the cp sequence: chunks i and 2 * cp - 1 - i
+            n, c = self.mesh.shape[ax], total // (2 * self.mesh.shape[ax])
+            chunks = [self.emit(aten.slice.Tensor, (x, d, k * c, (k + 1) * c), module=module)
+                      for k in (self.coord[ax], 2 * n - 1 - self.coord[ax])]
+            return self.emit(aten.cat.default, (chunks, d), placements=after, module=module)
+        start, size = self.split.piece(total, ax, self.coord[ax])
         return self.emit(aten.slice.Tensor, (x, d, start, start + size), placements=after, module=module)
+
+    def balanced_order(self, x0: fx.Node, n: int, module: str, to_ranks: bool, after: Any = None) -> fx.Node:
+        """Reorder dim 0 of ``x0`` (the whole cp sequence) between position order and rank order (rank ``i``'s
+        chunks ``i`` and ``2n - 1 - i`` together, as a collective lays out its pieces)."""
+        shape = list(x0.meta["val"].shape)
+        c, rest = shape[0] // (2 * n), shape[1:]
+        if to_ranks:  # [2, n, c] positions -> [n, 2, c]: rank i takes chunk i, then chunk 2n - 1 - i
+            halves = self.emit(aten.view.default, (x0, [2, n, c, *rest]), module=module)
+            first = self.emit(aten.select.int, (halves, 0, 0), module=module)
+            second = self.emit(aten.flip.default, (self.emit(aten.select.int, (halves, 0, 1), module=module), [0]),
+                               module=module)
+            pairs = self.emit(aten.stack.default, ([first, second], 1), module=module)
+            return self.emit(aten.reshape.default, (pairs, shape), placements=after, module=module)
+        pairs = self.emit(aten.view.default, (x0, [n, 2, c, *rest]), module=module)
+        first = self.emit(aten.select.int, (pairs, 1, 0), module=module)
+        second = self.emit(aten.flip.default, (self.emit(aten.select.int, (pairs, 1, 1), module=module), [0]),
+                           module=module)
+        return self.emit(aten.reshape.default, (self.emit(aten.cat.default, ([first, second],), module=module), shape),
+                         placements=after, module=module)
 
     def _pad_rows(self, x0: fx.Node, rows: int, module: str) -> fx.Node:
         """``x0`` with zero rows appended on dim 0 up to ``rows`` (all pieces of a collective have one size)."""
@@ -264,7 +294,9 @@ class _Lowerer:
         sizes, starts, ceil, tail_padded = even if zero_shard else self._pieces(total, axis)
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
-        if tail_padded:
+        if self.split.balanced(total, self.mesh.axis_index(axis)):
+            x0 = self.balanced_order(x0, n, module, to_ranks=True)
+        elif tail_padded:
             x0 = self._pad_rows(x0, n * ceil, module)
         else:
             pieces = [self._pad_rows(self.emit(aten.slice.Tensor, (x0, 0, st, st + size), module=module), ceil, module)
@@ -298,6 +330,8 @@ class _Lowerer:
         if dtype in FLOAT8:
             y = self.emit(aten.view.dtype, (y, dtype), placements=after, module=module)
         self.record(ledger_op, axis, y.meta["val"], c)
+        if total is not None and self.split.balanced(total, self.mesh.axis_index(axis)):
+            y = self.balanced_order(y, n, module, to_ranks=False, after=after)
         if uneven and tail_padded:
             y = self.emit(aten.slice.Tensor, (y, 0, 0, total), placements=after, module=module)
         elif uneven:
@@ -438,8 +472,37 @@ class _Lowerer:
         self.recomputing = node.name in self.recompute
         args, kwargs = pytree.tree_map_only(fx.Node, lambda a: local_args[a.name], (node.args, node.kwargs))
         target, args = self.localize(node, args, placements)
+        if target in CAUSAL_ATTENTION:
+            args, kwargs = self.causal_on_context(node, args, kwargs)
         self.env[node.name] = self.emit(target, args, kwargs, placements=placements, module=module, name=node.name)
         self.recomputing = False
+
+    def causal_on_context(self, node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A causal attention kernel whose queries are this rank's cp pieces of the sequence: ``is_causal`` masks
+        as if the queries were positions ``0..len-1``, so it is replaced by an explicit mask of their positions."""
+        flag = CAUSAL_ATTENTION[node.target]
+        if CONTEXT_AXIS not in self.mesh.names or len(args) <= flag or args[flag] is not True:
+            return args, kwargs
+        ax = self.mesh.axis_index(CONTEXT_AXIS)
+        q = 1 if node.target in SDPA_BACKWARD else 0
+        q_placement = self.prog.arg_placements[node.name][q][ax]
+        if not isinstance(q_placement, Shard):
+            return args, kwargs
+        seq = node.args[q].meta["val"].shape[q_placement.dim]
+        keys = node.args[q + 1].meta["val"].shape[q_placement.dim]
+        assert "attn_mask" not in kwargs and keys == seq, "a causal kernel over the whole sequence, without a mask"
+        rows = torch.tensor(self.split.indices(seq, ax, self.coord[ax]))
+        allowed = rows[:, None] >= torch.arange(seq)[None, :]
+        dtype = node.args[q].meta["val"].dtype
+        name = "cp_causal_mask"
+        self.constants[name] = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+        if name not in self.env:
+            mask = self.graph.get_attr(name)
+            mask.meta.update(val=self.fake.from_tensor(self.constants[name]), phase="fwd",
+                             placements=tuple(Replicate() for _ in self.mesh.names),
+                             module="")
+            self.env[name] = mask
+        return (*args[:flag], False, *args[flag + 1:]), {**kwargs, "attn_mask": self.env[name]}
 
     def is_own_shard(self, producer: str, dst: Placements, steps: tuple[Step, ...]) -> bool:
         """Whether ``producer`` is a ZeRO-3 parameter asked for as exactly the dp shard it is stored as."""

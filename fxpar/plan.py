@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Placement
 from fxpar.errors import PlanError, close_matches
 
 STYLES = ("colwise", "rowwise", "replicate")
-SUPPORTED_AXES = ("pp", "dp", "tp")
+SUPPORTED_AXES = ("pp", "dp", "cp", "tp")
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
@@ -95,6 +95,19 @@ def _check_axes(plan: Plan, axes: dict[str, int]) -> None:
     if plan.sequence_parallel and axes.get("tp", 1) < 2:
         raise PlanError(f"Plan(sequence_parallel=True) shards activations over the tp axis, but the mesh ({have}) "
                         "has no tp axis of size > 1")
+    if axes.get("cp", 1) > 1:
+        _check_context(plan, axes, have)
+
+
+def _check_context(plan: Plan, axes: dict[str, int], have: str) -> None:
+    """What a cp axis does not compose with yet."""
+    if plan.sequence_parallel:
+        raise PlanError(f"Plan(sequence_parallel=True) and a cp axis ({have}) both shard the sequence dim; "
+                        "use one of them")
+    if axes.get("pp", 1) > 1:
+        raise PlanError(f"a cp axis with pipeline stages ({have}) is not supported yet; use cp with dp and tp")
+    if plan.fp8:
+        raise PlanError(f"Plan(fp8=...) with a cp axis ({have}) is not supported yet")
 
 
 def resolve_plan(model: torch.nn.Module, plan: dict[str, str] | None) -> dict[str, str]:

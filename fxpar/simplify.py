@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 import torch.fx as fx
 
@@ -140,3 +143,118 @@ def _four_d(graph: fx.Graph, a: fx.Node, heads: tuple[int, int]) -> fx.Node | No
     t.meta.update({k: v for k, v in a.meta.items() if k != "val"})
     t.meta["val"] = x.meta["val"].transpose(2, 3)
     return t
+
+
+def tokens_unflattened(gm: fx.GraphModule) -> int:
+    """A Linear's matmuls on ``[B * S, K]`` flattened tokens -> ``fxpar`` ops on the ``[B, S, K]`` tensors.
+
+    Linear (and its backward) flattens every token dim into one before ``mm``. With the sequence dim sharded
+    (context parallel) that flatten is DTensor's ``_StridedShard``, so every Linear would gather its input.
+    Three patterns are rewritten, each to the same values:
+
+    * ``view(mm(flat(x), w), [*L, N])`` (also with a bias ``add`` between) -> ``matmul_nd(x, w)``;
+    * ``mm(t(flat(a)), flat(b))`` (a weight gradient) -> ``token_contract(a, b)``;
+    * ``sum(flat(g), [0])`` (a bias gradient) -> ``sum(g, [0, .., ndim - 2])``.
+
+    Requires: ``flat`` a view of an N-D tensor (N >= 3) as ``[prod(L), K]``. Ensures: the rewritten ops no longer
+    read a flattened token dim; flattening views left without users are erased. Returns how many were rewritten.
+    """
+    import fxpar.ops  # noqa: F401  (defines the ops)
+
+    rewritten = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is aten.mm.default:
+            rewritten += _forward_mm(gm.graph, n) or _contract_mm(gm.graph, n)
+        elif n.target is aten.sum.dim_IntList and list(n.args[1]) in ([0], [-2]) and _flattened(n.args[0]):
+            rewritten += _token_sum(gm.graph, n)
+    if rewritten:
+        for node in reversed(list(gm.graph.nodes)):
+            if node.op == "call_function" and not node.users and node.target in LAYOUT_ONLY | {aten.t.default}:
+                gm.graph.erase_node(node)
+        gm.recompile()
+    return rewritten
+
+
+def _flattened(a: Any) -> fx.Node | None:
+    """The N-D tensor (N >= 3) whose token dims ``a`` flattens into one (``[prod(L), K]``), or None."""
+    if not isinstance(a, fx.Node) or a.target not in FLAT_VIEWS:
+        return None
+    x = a.args[0]
+    shape, flat = tuple(x.meta["val"].shape), tuple(a.meta["val"].shape)
+    if len(shape) < 3 or flat != (math.prod(shape[:-1]), shape[-1]):
+        return None
+    return x
+
+
+def _copy_meta(new: fx.Node, like: fx.Node, val: torch.Tensor) -> None:
+    new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+    new.meta["val"] = val
+
+
+def _forward_mm(graph: fx.Graph, mm: fx.Node) -> int:
+    """``view(mm(flat(x), w) [+ bias], [*L, N])`` -> ``matmul_nd(x, w) [+ bias]``."""
+    x = _flattened(mm.args[0])
+    if x is None or len(mm.users) != 1:
+        return 0
+    (user,) = mm.users
+    bias = user if user.target is aten.add.Tensor and user.args[0] is mm and _is_vector(user.args[1]) else None
+    top = bias if bias is not None else mm
+    lead = tuple(x.meta["val"].shape[:-1])
+    views = list(top.users)
+    if not views or any(v.target not in FLAT_VIEWS or tuple(v.meta["val"].shape[:-1]) != lead for v in views):
+        return 0
+    val = views[0].meta["val"]
+    with graph.inserting_before(top if bias is None else bias):
+        new = graph.call_function(torch.ops.fxpar.matmul_nd.default, (x, mm.args[1]))
+        _copy_meta(new, mm, val.new_empty(val.shape))
+        if bias is not None:
+            new_bias = graph.call_function(aten.add.Tensor, (new, bias.args[1]))
+            _copy_meta(new_bias, bias, val.new_empty(val.shape))
+            new = new_bias
+    for v in views:
+        v.replace_all_uses_with(new)
+        graph.erase_node(v)
+    for dead in (bias, mm):
+        if dead is not None and not dead.users:
+            graph.erase_node(dead)
+    return 1
+
+
+def _is_vector(a: Any) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].ndim == 1
+
+
+def _contract_mm(graph: fx.Graph, mm: fx.Node) -> int:
+    """``mm(t(flat(a)), flat(b))`` -> ``token_contract(a, b)``."""
+    left, right = mm.args
+    if not isinstance(left, fx.Node) or left.target is not aten.t.default:
+        return 0
+    a, b = _flattened(left.args[0]), _flattened(right)
+    if a is None or b is None or a.meta["val"].shape[:-1] != b.meta["val"].shape[:-1]:
+        return 0
+    with graph.inserting_before(mm):
+        new = graph.call_function(torch.ops.fxpar.token_contract.default, (a, b))
+        _copy_meta(new, mm, mm.meta["val"].new_empty(mm.meta["val"].shape))
+    mm.replace_all_uses_with(new)
+    graph.erase_node(mm)
+    return 1
+
+
+def _token_sum(graph: fx.Graph, s: fx.Node) -> int:
+    """``sum(flat(g), [0], keepdim)`` -> ``sum(g, every token dim)``, viewed back to ``[1, K]`` when kept."""
+    g = _flattened(s.args[0])
+    keep = bool(s.args[2]) if len(s.args) > 2 else bool(s.kwargs.get("keepdim", False))
+    dims = list(range(g.meta["val"].ndim - 1))
+    with graph.inserting_before(s):
+        kwargs = {k: v for k, v in s.kwargs.items() if k != "keepdim"}
+        new = graph.call_function(aten.sum.dim_IntList, (g, dims, keep), kwargs)
+        _copy_meta(new, s, g.meta["val"].sum(dims, keepdim=keep))
+        if keep:
+            flat = graph.call_function(aten.view.default, (new, list(s.meta["val"].shape)))
+            _copy_meta(flat, s, s.meta["val"].new_empty(s.meta["val"].shape))
+            new = flat
+    s.replace_all_uses_with(new)
+    graph.erase_node(s)
+    return 1

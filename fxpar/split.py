@@ -13,6 +13,12 @@ Two rules, one per kind of axis:
   exact.
 
 Even splits are the same under both rules.
+
+* **The context axis** (``cp``) splits the sequence dim (the size ``seq`` of dim 1 of the first input) load-balanced
+  for causal attention: the sequence is cut into ``2 * cp`` chunks and rank ``i`` holds chunks ``i`` and
+  ``2 * cp - 1 - i`` (so every rank attends over the same number of earlier positions). Its pieces are not
+  contiguous: slices, gathers and reduce-scatters along it reorder (``Splitter.indices``). ``annotate`` refuses a
+  sequence ``2 * cp`` does not divide. Any other dim sharded over cp is split as tp splits it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 BATCH_AXIS = "dp"
+CONTEXT_AXIS = "cp"
 
 
 def chunk_sizes(total: int, n: int) -> list[int]:
@@ -58,6 +65,20 @@ class Splitter:
     names: tuple[str, ...]
     shape: tuple[int, ...]
     batch: int | None = None
+    seq: int | None = None  # the sequence length a cp axis splits load-balanced
+
+    def balanced(self, total: int, ax: int) -> bool:
+        """Whether a dim of ``total`` is split over axis ``ax`` in load-balanced chunk pairs (the cp sequence)."""
+        return self.names[ax] == CONTEXT_AXIS and self.seq is not None and total == self.seq and self.shape[ax] > 1
+
+    def indices(self, total: int, ax: int, index: int) -> list[int]:
+        """The positions rank ``index`` holds of a dim of ``total`` split over axis ``ax``, in its local order."""
+        if not self.balanced(total, ax):
+            start, size = self.piece(total, ax, index)
+            return list(range(start, start + size))
+        n = self.shape[ax]
+        c = total // (2 * n)
+        return [*range(index * c, (index + 1) * c), *range((2 * n - 1 - index) * c, (2 * n - index) * c)]
 
     def sizes(self, total: int, ax: int) -> list[int]:
         n = self.shape[ax]
@@ -70,7 +91,9 @@ class Splitter:
         return chunk_sizes(total, n)
 
     def piece(self, total: int, ax: int, index: int) -> tuple[int, int]:
-        """(start, length) of rank ``index``'s piece of a dim of ``total`` split over axis ``ax``."""
+        """(start, length) of rank ``index``'s piece of a dim of ``total`` split over axis ``ax`` (contiguous splits
+        only: see ``balanced``)."""
+        assert not self.balanced(total, ax), "a load-balanced cp piece is not contiguous: use indices()"
         sizes = self.sizes(total, ax)
         return sum(sizes[:index]), sizes[index]
 
@@ -88,8 +111,20 @@ class Splitter:
                    for ax, p in enumerate(placements))
 
 
+def sequence_length(prog: Any) -> int | None:
+    """The sequence a cp axis splits: dim 1 of the program's first input of at least two dims (None without cp)."""
+    if prog.mesh.axes.get(CONTEXT_AXIS, 1) == 1:
+        return None
+    for name in prog.signature.inputs:
+        val = prog.node(name).meta.get("val")
+        if isinstance(val, torch.Tensor) and val.ndim >= 2:
+            return val.shape[1]
+    return None
+
+
 def splitter(prog: Any) -> Splitter:
-    """The ``Splitter`` of a Program: its mesh, and the global batch (dim 0 of its first dp-sharded input)."""
+    """The ``Splitter`` of a Program: its mesh, the global batch (dim 0 of its first dp-sharded input) and the
+    sequence a cp axis splits."""
     mesh = prog.mesh
     batch = None
     if BATCH_AXIS in mesh.names:
@@ -99,7 +134,7 @@ def splitter(prog: Any) -> Splitter:
             if p is not None and p[ax] == Shard(0):
                 batch = prog.node(name).meta["val"].shape[0]
                 break
-    return Splitter(mesh.names, mesh.shape, batch)
+    return Splitter(mesh.names, mesh.shape, batch, sequence_length(prog))
 
 
 def dp_share(split: Splitter, index: int, mesh: Any) -> float:

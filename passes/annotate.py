@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from fxpar.errors import PlanError
+from fxpar.errors import PlanError, close_matches
 from fxpar.ir import Program, batch_placements
 from fxpar.pipeline import Context
 from fxpar.plan import SUPPORTED_AXES, check_shardable, param_tp_placement, resolve_plan
+from fxpar.rules.token_local import is_hf_experts
+from fxpar.split import CONTEXT_AXIS, sequence_length
 
 
 def annotate(prog: Program, ctx: Context) -> Program:
@@ -27,8 +29,13 @@ def annotate(prog: Program, ctx: Context) -> Program:
     """
     mesh = prog.mesh
     for axis in mesh.names:
+        if axis == "ep":
+            raise PlanError(_no_expert_parallel(ctx.model))
         if axis not in SUPPORTED_AXES:
-            raise PlanError(f"mesh axis {axis!r} is not supported yet; use {SUPPORTED_AXES}")
+            hint = close_matches(axis, list(SUPPORTED_AXES))
+            raise PlanError(f"mesh axis {axis!r} is not supported; use {SUPPORTED_AXES}"
+                            + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    _check_sequence(prog)
     styles = resolve_plan(ctx.model, ctx.plan.tp)
     if styles and "tp" not in mesh.axes:
         raise PlanError("the plan shards modules over 'tp', but the mesh has no 'tp' axis")
@@ -65,3 +72,26 @@ def annotate(prog: Program, ctx: Context) -> Program:
                              "without a sample (its batch-mean loss would be undefined); use a batch of at least "
                              f"{dp} or a smaller dp axis")
     return prog.replace("annotate", placements=placements, notes={**prog.notes, "plan": styles})
+
+
+def _check_sequence(prog: Program) -> None:
+    """A cp axis needs a sequence (dim 1 of the inputs) that ``2 * cp`` load-balanced chunks divide."""
+    cp = prog.mesh.axes.get(CONTEXT_AXIS, 1)
+    if cp == 1:
+        return
+    seq = sequence_length(prog)
+    if seq is None:
+        raise PlanError(f"the cp axis (cp={cp}) shards the sequence, dim 1 of the inputs, but no input has two dims")
+    if seq % (2 * cp):
+        raise ValueError(f"cp={cp} splits the sequence into 2 * cp = {2 * cp} load-balanced chunks, but the sequence "
+                         f"length {seq} (dim 1 of the inputs) is not a multiple of {2 * cp}; pad the sequence to a "
+                         f"multiple of {2 * cp} (with the padding masked out of the loss) or use a smaller cp axis")
+
+
+def _no_expert_parallel(model: torch.nn.Module) -> str:
+    experts = [p for p, m in model.named_modules() if p and is_hf_experts(m)]
+    if not experts:
+        return (f"mesh axis 'ep' shards the experts of MoE layers, but {type(model).__name__} has no experts module "
+                "(Hugging Face MoE experts, e.g. Mixtral's); use 'dp' to shard the batch")
+    return (f"expert parallelism (an 'ep' mesh axis) is not supported yet; {type(model).__name__}'s {len(experts)} "
+            f"experts modules ({experts[0]}, ...) run data parallel over 'dp' with the rest of the model")

@@ -13,6 +13,8 @@ chooses among them:
 * Otherwise the cheapest candidate in bytes moved wins; ties keep the inputs as they are.
 * With sequence parallelism, a value ``notes["sequence_parallel"]`` names costs its bytes when
   it is not ``Shard(1)`` over tp (as if it moved them), so those values stay sharded on the sequence dim.
+* On a context-parallel axis (``cp``), only sequence dims may be sharded, a value with a sequence dim costs its
+  bytes when it is whole, and attention all-gathers k and v (``fxpar.rules.context``).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from fxpar.ir import Program, batch_placements, tensor_val
 from fxpar.pipeline import Context
 from fxpar.rules import Candidate, candidates
 from fxpar.rules.batch_views import batch_view_candidate
+from fxpar.rules.context import ContextPolicy
 from fxpar.rules.scatter_add import is_partial_scatter_add, partial_zeros, scatter_add_candidate
 from fxpar.rules.token_local import TokenLocal
-from fxpar.split import BATCH_AXIS, Splitter, splitter
+from fxpar.split import BATCH_AXIS, CONTEXT_AXIS, Splitter, splitter
 
 aten = torch.ops.aten
 
@@ -75,13 +78,15 @@ def propagate(prog: Program, ctx: Context) -> Program:
     outputs = _output_targets(prog, placements, split.batch)
     stream = prog.notes.get("sequence_parallel", frozenset())
     local = TokenLocal(prog, ctx.model)
+    context = ContextPolicy(split.seq) if split.seq else None
     for name, idx in prog.signature.tangents:
         placements[name] = outputs[idx]
     for node in prog.graph.nodes:
         if node.op == "get_attr":
             placements[node.name] = _replicated(prog)
         elif node.op == "call_function":
-            _place_call(prog, node, placements, arg_placements, param_like, split, node.name in stream, local)
+            _place_call(prog, node, placements, arg_placements, param_like, split, node.name in stream, local,
+                        context)
         elif node.op == "output":
             arg_placements[node.name] = tuple(outputs)
     return prog.replace("propagate", placements=placements, arg_placements=arg_placements)
@@ -111,7 +116,7 @@ def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None
 
 def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
                 arg_placements: dict[str, tuple[Any, ...]], param_like: set[str], split: Splitter,
-                stream: bool = False, local: TokenLocal | None = None) -> None:
+                stream: bool = False, local: TokenLocal | None = None, context: ContextPolicy | None = None) -> None:
     if node.target is __import__("operator").getitem:
         src = placements.get(node.args[0].name)
         if src is not None:
@@ -134,13 +139,16 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
             cand = region_cand
         else:
             sharded = stream and prog.mesh.names[ax] == "tp"
+            on_cp = context if prog.mesh.names[ax] == CONTEXT_AXIS else None
             if prog.mesh.names[ax] == BATCH_AXIS and len(cur) == 1 and isinstance(cur[0], Shard):
                 extra = batch_view_candidate(node, cur[0], split, ax)
+            elif on_cp is not None:
+                extra = on_cp.attention(node)
             else:
                 extra = scatter_add_candidate(node, cur)
             zeros = partial_zeros(node, lambda a, ax=ax: _placed_on(placements, a, ax), cur)
             cand = zeros or _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out),
-                                    sharded, extra)
+                                    sharded, extra, on_cp)
         per_axis_in.append(cand.inputs)
         per_axis_out.append(cand.output)
     arg_placements[node.name] = tuple(tuple(ins) for ins in zip(*per_axis_in, strict=True)) if tensor_args else ()
@@ -189,11 +197,13 @@ def _taken_dims(per_axis_in: list[tuple[Placement, ...]], per_axis_out: list[Any
 
 
 def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: int,
-            param_like: set[str], taken: Taken, sharded: bool = False, extra: Candidate | None = None) -> Candidate:
+            param_like: set[str], taken: Taken, sharded: bool = False, extra: Candidate | None = None,
+            context: ContextPolicy | None = None) -> Candidate:
     """The cheapest allowed candidate on one axis; replicate everything if none is known.
 
     ``sharded``: the node is a sequence-parallel stream value on this axis (any placement but ``SEQUENCE``
     costs its bytes). ``extra``: one more candidate from a rule outside DTensor's (``batch_views``).
+    ``context``: this is a cp axis (only sequence dims shard; a whole sequence costs its bytes).
     """
     args = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.args)
     kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
@@ -212,6 +222,16 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
                 found = (found or []) + (candidates(node.target, args, kwargs, hint, n) or [])
             except Exception:  # noqa: BLE001 - as above
                 pass
+    if context is not None and tensor_args and any(isinstance(c, Partial) for c in cur):
+        # DTensor offers few ways out of a partial sum: also ask how the op runs with the partial sums
+        # reduce-scattered onto their sequence dim (a k/v gradient of all-gathered attention)
+        hint = [context.sequence_shard(a) if isinstance(c, Partial) else c
+                for a, c in zip(tensor_args, cur, strict=True)]
+        if hint != cur:
+            try:
+                found = (found or []) + (candidates(node.target, args, kwargs, hint, n) or [])
+            except Exception:  # noqa: BLE001 - as above
+                pass
     if extra is not None:
         found = [*(found or []), extra]
     if found is None and str(node.target) not in _warned:
@@ -220,11 +240,15 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
                       FxparWarning, stacklevel=2)
     fallback = Candidate(tuple(Replicate() for _ in cur), _all(node.meta["val"], Replicate()))
     replica = float(_nbytes(node)) if sharded else 0.0
-    best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like) + replica, 1, 0)
+    whole = context.penalty(fallback, node) if context is not None else 0.0
+    best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like) + replica + whole, 1, 0)
     for i, cand in enumerate(found or []):
         usable = _disjoint(cand, taken) and _plain(cand)
+        if usable and context is not None:
+            usable = context.allowed(cand, tensor_args, node)
         cost = _cost(node, cand, tensor_args, cur, n, param_like) if usable else NO_CANDIDATE
         cost += replica if cand.output != SEQUENCE else 0.0
+        cost += context.penalty(cand, node) if context is not None else 0.0
         key = (cost, sum(c != r for c, r in zip(cur, cand.inputs, strict=True)), i)
         if cost < NO_CANDIDATE and key < best_key:
             best, best_key = cand, key

@@ -90,7 +90,7 @@ def candidates(
     op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], current: list[Placement], n: int
 ) -> list[Candidate] | None:
     """Valid strategies for ``op`` with fake global ``args`` on an axis of ``n`` ranks."""
-    from fxpar.rules import attention, bmm4, scaled_mm  # noqa: F401  (register rules)
+    from fxpar.rules import attention, bmm4, scaled_mm, token_matmul  # noqa: F401  (register rules)
     from fxpar.rules.dtensor_adapter import dtensor_candidates
 
     if op in FXPAR_RULES:
