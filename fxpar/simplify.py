@@ -116,8 +116,7 @@ def bmm_over_heads(gm: fx.GraphModule) -> int:
             new.meta.update({k: v for k, v in out.meta.items() if k != "val"})
             new.meta["val"] = out.meta["val"].new_empty(out.meta["val"].shape)
         out.replace_all_uses_with(new)
-        for dead in (out, n):
-            _erase_unused_chain(gm.graph, dead)
+        _erase_unused_chain(gm.graph, out)  # the view, then the bmm it alone read
         rewritten += 1
     if rewritten:
         for node in reversed(list(gm.graph.nodes)):  # the flattening copies and views left without users

@@ -33,7 +33,7 @@ from fxpar.ir import Program, batch_placements, tensor_val
 from fxpar.pipeline import Context
 from fxpar.rules import Candidate, candidates
 from fxpar.rules.batch_views import batch_view_candidate
-from fxpar.rules.context import ContextPolicy
+from fxpar.rules.context import ContextPolicy, gather_before_repeat
 from fxpar.rules.scatter_add import is_partial_scatter_add, partial_zeros, scatter_add_candidate
 from fxpar.rules.token_local import TokenLocal
 from fxpar.split import BATCH_AXIS, CONTEXT_AXIS, Splitter, splitter
@@ -89,6 +89,8 @@ def propagate(prog: Program, ctx: Context) -> Program:
                         context)
         elif node.op == "output":
             arg_placements[node.name] = tuple(outputs)
+    if context is not None:
+        gather_before_repeat(prog.graph, placements, arg_placements, prog.mesh.axis_index(CONTEXT_AXIS))
     return prog.replace("propagate", placements=placements, arg_placements=arg_placements)
 
 

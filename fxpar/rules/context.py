@@ -28,6 +28,9 @@ from fxpar.ir import tensor_val
 from fxpar.rules import Candidate
 
 aten = torch.ops.aten
+# the ops of GQA's repeat_kv: none has fewer elements than its input
+REPEATS = {aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.view.default,
+           aten._unsafe_view.default, aten.reshape.default}
 SDPA_FORWARD = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 QUERY_DIM = 2  # [batch, heads, seq, head_dim]
@@ -76,6 +79,48 @@ class ContextPolicy:
             inputs = (seq, seq, whole, whole, seq, seq, *_mask(node.kwargs.get("attn_mask")))
             return Candidate(inputs, (seq, Partial(), Partial()))
         return None
+
+
+def gather_before_repeat(graph: fx.Graph, placements: dict, arg_placements: dict, ax: int) -> int:
+    """Move each cp all-gather of a value made by a chain of ``REPEATS`` (GQA's ``repeat_kv``: unsqueeze, expand,
+    clone, view) to the chain's input: the chain then runs on the whole sequence, and the gather moves the kv heads
+    instead of the repeated query heads. Returns how many chains were moved.
+
+    Requires: ``placements``/``arg_placements`` from ``propagate``. Ensures: the same values on every rank; no
+    gather moves more bytes than before.
+    """
+    moved = 0
+    for node in graph.nodes:
+        for arg, want in zip(_tensor_args(node), arg_placements.get(node.name, ()), strict=False):
+            if not isinstance(want[ax], Replicate) or not isinstance(_on(placements, arg, ax), Shard):
+                continue
+            top = arg
+            while top.target in REPEATS and isinstance(_on(placements, top.args[0], ax), Shard):
+                _set(placements, top.name, ax, Replicate())
+                arg_placements[top.name] = (_with(arg_placements[top.name][0], ax, Replicate()),
+                                            *arg_placements[top.name][1:])
+                top = top.args[0]
+            moved += top is not arg
+    return moved
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    import torch.utils._pytree as pytree
+
+    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
+
+
+def _on(placements: dict, node: fx.Node, ax: int) -> Placement | None:
+    p = placements.get(node.name)
+    return p[ax] if isinstance(p, tuple) and p and not isinstance(p[0], tuple) else None
+
+
+def _with(per_axis: tuple, ax: int, p: Placement) -> tuple:
+    return (*per_axis[:ax], p, *per_axis[ax + 1:])
+
+
+def _set(placements: dict, name: str, ax: int, p: Placement) -> None:
+    placements[name] = _with(placements[name], ax, p)
 
 
 def _mask(mask: fx.Node | None) -> tuple[Placement, ...]:
