@@ -91,8 +91,9 @@ def gather_before_repeat(graph: fx.Graph, placements: dict, arg_placements: dict
     """
     moved = 0
     for node in graph.nodes:
-        for arg, want in zip(_tensor_args(node), arg_placements.get(node.name, ()), strict=False):
-            if not isinstance(want[ax], Replicate) or not isinstance(_on(placements, arg, ax), Shard):
+        args = node.args[0] if node.op == "output" else _tensor_args(node)  # as propagate lists them
+        for arg, want in zip(args, arg_placements.get(node.name, ()), strict=False):
+            if want is None or not isinstance(want[ax], Replicate) or not isinstance(_on(placements, arg, ax), Shard):
                 continue
             top = arg
             while top.target in REPEATS and isinstance(_on(placements, top.args[0], ax), Shard):
@@ -110,8 +111,8 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
 
 
-def _on(placements: dict, node: fx.Node, ax: int) -> Placement | None:
-    p = placements.get(node.name)
+def _on(placements: dict, node: fx.Node | None, ax: int) -> Placement | None:
+    p = placements.get(node.name) if isinstance(node, fx.Node) else None
     return p[ax] if isinstance(p, tuple) and p and not isinstance(p[0], tuple) else None
 
 
