@@ -30,6 +30,11 @@ from fxpar.models import hf_families  # noqa: E402
 
 HF_PLAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "mixtral",
            "mixtral_batched", "qwen2_moe", "olmoe", "olmo2", "granite", "starcoder2"}
+# families whose forward moves only k, v (per layer) and the logits over cp: every other activation stays a
+# sequence shard. The rest also compile and match, but gather more: OPT and Falcon flatten tokens themselves before
+# their MLP, MoE experts run on flattened tokens, eager attention's backward gathers q-sized products
+CP_LEAN = {"llama", "mistral", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "gpt2", "bert", "olmo2",
+           "stablelm", "granite", "starcoder2"}
 ON_GLOO = ["llama", "gemma2", "phi3", "gpt_neox", "bert", "t5", "gpt2", "mixtral", "mixtral_batched", "qwen2_moe"]
 
 
@@ -66,6 +71,17 @@ def test_hf_tensor_parallel_plan_compiles_and_shards(family: str) -> None:
     sharded = [r for r in pm.ledger(0) if r.axis == "tp"]
     assert sharded, "the HF plan sharded nothing"
     assert "tp:S(" in pm.program(0)
+
+
+@pytest.mark.parametrize("family", hf_families.FAMILIES)
+def test_context_parallel_compiles_and_keeps_the_sequence_sharded(family: str) -> None:
+    pm = _compile(family, {"cp": 2})
+    rows = [r for r in pm.ledger(0) if r.axis == "cp"]
+    forward = [r for r in rows if r.phase == "fwd"]
+    assert forward and all(r.op == "all_gather" for r in forward)
+    assert "cp:S(" in pm.program(0)
+    if family in CP_LEAN:  # 2 layers: k and v each, then the logits for the output
+        assert len(forward) == 2 * 2 + 1, [r.shape for r in forward]
 
 
 def test_families_without_an_hf_plan_say_so() -> None:
