@@ -491,18 +491,26 @@ class _Lowerer:
         seq = node.args[q].meta["val"].shape[q_placement.dim]
         keys = node.args[q + 1].meta["val"].shape[q_placement.dim]
         assert "attn_mask" not in kwargs and keys == seq, "a causal kernel over the whole sequence, without a mask"
-        rows = torch.tensor(self.split.indices(seq, ax, self.coord[ax]))
-        allowed = rows[:, None] >= torch.arange(seq)[None, :]
-        dtype = node.args[q].meta["val"].dtype
         name = "cp_causal_mask"
-        self.constants[name] = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
         if name not in self.env:
-            mask = self.graph.get_attr(name)
-            mask.meta.update(val=self.fake.from_tensor(self.constants[name]), phase="fwd",
-                             placements=tuple(Replicate() for _ in self.mesh.names),
-                             module="")
-            self.env[name] = mask
+            self.env[name] = self.causal_mask(seq, ax, node.args[q].meta["val"])
         return (*args[:flag], False, *args[flag + 1:]), {**kwargs, "attn_mask": self.env[name]}
+
+    def causal_mask(self, seq: int, ax: int, like: torch.Tensor) -> fx.Node:
+        """``[local, seq]`` additive mask: 0 where this rank's query position may see a key position, else -inf."""
+        positions = self.split.indices(seq, ax, self.coord[ax])
+        recomputing, self.recomputing = self.recomputing, True  # the backward rebuilds it rather than saving it
+        half = len(positions) // 2  # two chunks of consecutive positions (fxpar.split)
+        ints = {"dtype": torch.int64, "device": like.device}
+        pieces = [self.emit(aten.arange.start, (p[0], p[-1] + 1), ints) for p in (positions[:half], positions[half:])]
+        rows = self.emit(aten.unsqueeze.default, (self.emit(aten.cat.default, (pieces,)), 1))
+        cols = self.emit(aten.unsqueeze.default, (self.emit(aten.arange.default, (seq,), ints), 0))
+        hidden = self.emit(aten.lt.Tensor, (rows, cols))  # a key after the query
+        zeros = self.emit(aten.zeros.default, ([len(positions), seq],), {"dtype": like.dtype, "device": like.device})
+        mask = self.emit(aten.masked_fill.Scalar, (zeros, hidden, float("-inf")), name="cp_causal_mask",
+                         placements=tuple(Replicate() for _ in self.mesh.names))
+        self.recomputing = recomputing
+        return mask
 
     def is_own_shard(self, producer: str, dst: Placements, steps: tuple[Step, ...]) -> bool:
         """Whether ``producer`` is a ZeRO-3 parameter asked for as exactly the dp shard it is stored as."""
