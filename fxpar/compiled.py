@@ -23,6 +23,7 @@ from fxpar.mesh import Mesh
 from fxpar.pipeline import Context, run_pipeline
 from fxpar.plan import Plan, as_plan
 from fxpar.schedules import Schedule, make_schedule
+from fxpar.split import CONTEXT_AXIS
 from fxpar.stages import split_stages
 
 
@@ -96,7 +97,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     if n_stages == 1:
         programs = [capture(model, mesh, tuple(mb_inputs))]
         timings["capture"] = time.perf_counter() - start
-        programs = [run_pipeline(programs[0], ctx)]
+        programs = [run_pipeline(_with_sequence(programs[0], mb_inputs), ctx)]
         notes: dict[str, Any] = {}
         out_spec = programs[0].signature.out_spec
     else:
@@ -183,12 +184,21 @@ def _compile_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages:
         ctx.timings["capture"] = ctx.timings.get("capture", 0.0) + time.perf_counter() - t0
         info = StageInfo(sg.index, len(split.stages), tuple(sg.received), tuple(sg.user_inputs), tuple(sg.sent),
                          sg.first_module, sg.cost)
-        prog = prog.replace(notes={**prog.notes, "stage": info})
+        prog = _with_sequence(prog.replace(notes={**prog.notes, "stage": info}), flat)
         programs.append(run_pipeline(prog, ctx))
     total = sum(split.costs) or 1.0
     notes = {"stage starts": ", ".join(split.starts),
              "stage costs": ", ".join(f"{c / total:.0%}" for c in split.costs)}
     return programs, notes, exported.out_spec
+
+
+def _with_sequence(prog: Program, user_inputs: list[Any]) -> Program:
+    """Record the sequence length a cp axis splits (dim 1 of the first user input of two or more dims) in
+    ``notes["sequence"]``: every pipeline stage splits the same sequence, whatever it receives."""
+    if prog.mesh.axes.get(CONTEXT_AXIS, 1) == 1:
+        return prog
+    seq = next((x.shape[1] for x in user_inputs if isinstance(x, torch.Tensor) and x.ndim >= 2), None)
+    return prog.replace(notes={**prog.notes, "sequence": seq})
 
 
 def _boundary_arg(gm: torch.fx.GraphModule, name: str, exported: Any) -> torch.Tensor:

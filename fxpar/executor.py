@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 
 from fxpar.backends.comm import bind_groups
 from fxpar.backward_split import split_backward
-from fxpar.ir import Program, batch_placements
+from fxpar.ir import Program
 from fxpar.lower import RankProgram
 from fxpar.schedules import Action
 from fxpar.split import BATCH_AXIS, batch_weight, splitter
@@ -48,7 +48,7 @@ def boundary_meta(prog: Program, coord: tuple[int, ...]) -> list[Boundary]:
     out = []
     for value, name in zip(stage.received, prog.signature.inputs[: len(stage.received)], strict=True):
         val = prog.node(name).meta["val"]
-        shape = splitter(prog).local_shape(val.shape, batch_placements(val, prog.mesh), coord)
+        shape = splitter(prog).local_shape(val.shape, prog.placements[name], coord)  # as annotate placed it
         out.append(Boundary(value, name, shape, val.dtype, name in with_grad))
     return out
 

@@ -104,8 +104,6 @@ def _check_context(plan: Plan, axes: dict[str, int], have: str) -> None:
     if plan.sequence_parallel:
         raise PlanError(f"Plan(sequence_parallel=True) and a cp axis ({have}) both shard the sequence dim; "
                         "use one of them")
-    if axes.get("pp", 1) > 1:
-        raise PlanError(f"a cp axis with pipeline stages ({have}) is not supported yet; use cp with dp and tp")
     if plan.fp8:
         raise PlanError(f"Plan(fp8=...) with a cp axis ({have}) is not supported yet")
 

@@ -112,9 +112,12 @@ class Splitter:
 
 
 def sequence_length(prog: Any) -> int | None:
-    """The sequence a cp axis splits: dim 1 of the program's first input of at least two dims (None without cp)."""
+    """The sequence a cp axis splits (None without cp): ``notes["sequence"]`` where the compiler recorded it (dim 1
+    of the first user input, for every pipeline stage), else dim 1 of the program's first input of two dims."""
     if prog.mesh.axes.get(CONTEXT_AXIS, 1) == 1:
         return None
+    if "sequence" in prog.notes:
+        return prog.notes["sequence"]
     for name in prog.signature.inputs:
         val = prog.node(name).meta.get("val")
         if isinstance(val, torch.Tensor) and val.ndim >= 2:

@@ -75,7 +75,9 @@ def propagate(prog: Program, ctx: Context) -> Program:
     params = {name for _, name in prog.signature.params}
     param_like: set[str] = set(params)
     split = splitter(prog)
-    outputs = _output_targets(prog, placements, split.batch)
+    stage = prog.notes.get("stage")
+    boundary = stage is not None and stage.index < stage.n_stages - 1  # outputs go to the next stage, cp-sharded
+    outputs = _output_targets(prog, placements, split.batch, split.seq if boundary else None)
     stream = prog.notes.get("sequence_parallel", frozenset())
     local = TokenLocal(prog, ctx.model)
     context = ContextPolicy(split.seq) if split.seq else None
@@ -98,8 +100,9 @@ def _replicated(prog: Program) -> tuple[Placement, ...]:
     return tuple(Replicate() for _ in prog.mesh.names)
 
 
-def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None) -> list[Any]:
-    """Forward outputs: batch-sharded on dp, replicated elsewhere. Gradients: like the param."""
+def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None, seq: int | None) -> list[Any]:
+    """Forward outputs: batch-sharded on dp, sequence-sharded on cp when they go to another pipeline stage
+    (``seq``), replicated elsewhere. Gradients: like the param (or the received value)."""
     out = prog.graph.output_node().args[0]
     sig = prog.signature
     grad_of = {i: name for (fqn, i) in sig.grads for (f, name) in sig.params if f == fqn}
@@ -110,7 +113,7 @@ def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None
         if val is None:
             targets.append(None)
         elif i < sig.num_outputs:
-            targets.append(batch_placements(val, prog.mesh, batch))
+            targets.append(batch_placements(val, prog.mesh, batch, seq))
         else:
             targets.append(placements[grad_of[i]])
     return targets

@@ -16,6 +16,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -162,6 +163,23 @@ def test_bundled_llama_matches_single_device(axes: dict[str, int]) -> None:
 def test_dp_cp_tp_matches_single_device() -> None:
     """The 3-D combination: the batch over dp, the sequence over cp, heads and MLP widths over tp (8 gloo ranks)."""
     assert_equivalent(partial(Llama, CFG), {"dp": 2, "cp": 2, "tp": 2}, llama_plan(), (_tokens(4, 16),), steps=3)
+
+
+def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def test_pipeline_stages_send_sequence_shards_and_match_single_device() -> None:
+    """pp=2 x cp=2 under 1f1b with 2 microbatches and a shifted next-token loss: each stage boundary carries only
+    the rank's cp piece of the sequence ([mb, seq / cp, hidden]), and the step matches the single device."""
+    x = _tokens(4, 16)
+    plan = fxpar.Plan(stages=2, microbatches=2)
+    pm = fxpar.parallelize(Llama(CFG), fxpar.Mesh({"pp": 2, "cp": 2}, fake=True), (x,), plan=plan,
+                           loss_fn=_next_token_loss, example_targets=x)
+    sends = [r for r in pm.ledger(0) if r.op == "send"]
+    assert sends and all(r.shape == (2, 8, CFG.hidden) for r in sends)
+    assert_equivalent(partial(Llama, CFG), {"pp": 2, "cp": 2}, plan, (x,), steps=3, loss_fn=_next_token_loss,
+                      targets=x)
 
 
 def test_zero3_with_cp_matches_single_device() -> None:
