@@ -6,7 +6,8 @@ MLPs run on meshes of up to 8 ranks, transformers (whose compile and lowering do
 example compares outputs, gradients and parameters after 2 AdamW steps on every rank. Pipeline examples draw
 the schedule, the microbatch count, a pp=2 mesh (alone, with dp=2 or with tp=2) and (with dp) a ZeRO level, and
 compare ``pm.step``'s loss, gradients and parameters instead of outputs; ZeRO examples draw zero 1 or 2 on dp
-meshes (with tp too) and one or two microbatches. The seed is printed
+meshes (with tp too) and one or two microbatches; context examples draw a cp mesh (cp=2, cp=4, with dp=2 or
+tp=2), a sequence of 2 * cp * k tokens, ZeRO and microbatches. The seed is printed
 in the session summary (``tests/conftest.py``); hypothesis shrinks a failure to a minimal case and prints
 it with a ``@reproduce_failure`` blob.
 """
@@ -20,13 +21,14 @@ from conftest import PROPERTY_EXAMPLES, PROPERTY_SEED
 from hypothesis import given, seed, settings
 
 from fxpar.testing import assert_equivalent
-from fxpar.testing.strategies import ModelSpec, cases, pipeline_cases, zero_cases
+from fxpar.testing.strategies import ModelSpec, cases, context_cases, pipeline_cases, zero_cases
 
 SCALE = float(os.environ.get("FXPAR_PROPERTY_SCALE", "1"))  # e.g. 5 for a long local run
 MLP_EXAMPLES = int(140 * SCALE)
 TRANSFORMER_EXAMPLES = int(60 * SCALE)
 PIPELINE_EXAMPLES = int(12 * SCALE)
 ZERO_EXAMPLES = int(10 * SCALE)
+CONTEXT_EXAMPLES = int(8 * SCALE)
 
 
 def _check(family: str, case: tuple[ModelSpec, dict[str, int], dict[str, str] | None, int]) -> None:
@@ -67,3 +69,12 @@ def test_pipeline_matches_single_device(case: tuple[ModelSpec, dict[str, int], o
 def test_zero_matches_single_device(case: tuple[ModelSpec, dict[str, int], object, int]) -> None:
     """ZeRO-1/2 (dp alone, dp=4 or x tp=2) with one or two microbatches: ``pm.step`` vs the single device."""
     _check("zero", case)
+
+
+@pytest.mark.timeout(1200)
+@seed(PROPERTY_SEED)
+@settings(max_examples=CONTEXT_EXAMPLES)
+@given(context_cases())
+def test_context_parallel_matches_single_device(case: tuple[ModelSpec, dict[str, int], object, int]) -> None:
+    """cp (alone, cp=4, x dp=2 or x tp=2) on decoders with drawn widths, sequence lengths, ZeRO and microbatches."""
+    _check("context", case)

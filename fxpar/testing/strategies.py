@@ -255,3 +255,23 @@ def pipeline_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], An
     sp = draw(st.booleans()) if "tp" in mesh else False
     return spec, mesh, fxpar.Plan(tp=tp or {}, stages=stages, schedule=schedule, microbatches=m, zero=zero,
                                   sequence_parallel=sp), batch
+
+
+CONTEXT_MESHES = ({"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2})
+
+
+@st.composite
+def context_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], Any, int]:
+    """Context parallel: a Llama-style decoder (hidden >= 8) whose sequence is a multiple of ``2 * cp`` (the
+    load-balanced chunks), on cp alone, cp=4, dp=2 x cp=2 or cp=2 x tp=2 with a random tp plan (dims tp need not
+    divide), with ZeRO (with dp) and one or two microbatches; (spec, mesh, ``fxpar.Plan``, batch)."""
+    import fxpar
+
+    mesh = draw(st.sampled_from(CONTEXT_MESHES))
+    base = draw(transformer_specs(min_hidden=8))
+    spec = dataclasses.replace(base, seq=2 * mesh["cp"] * draw(st.sampled_from([1, 2, 3])))
+    tp = draw(plans(spec, mesh, uneven=True)) if "tp" in mesh else None
+    m = draw(st.sampled_from([1, 2]))
+    batch = mesh.get("dp", 1) * m * draw(st.sampled_from([1, 2]))
+    zero = draw(st.sampled_from([0, 1, 3])) if "dp" in mesh else 0
+    return spec, mesh, fxpar.Plan(tp=tp or {}, microbatches=m, zero=zero), batch
