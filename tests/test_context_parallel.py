@@ -140,8 +140,8 @@ def test_ledger_is_the_all_gather_formula(axes: dict[str, int]) -> None:
 
 def test_activations_are_sequence_sharded() -> None:
     """Every forward value with a sequence dim is a cp shard except the rope tables (sliced per rank where they are
-    used) and the k and v that attention reads whole (GQA's repeat_kv chain: 4 ops each, after the all-gather):
-    each rank computes only its share of the tokens."""
+    used) and the k and v that attention reads whole (the layout and repeat ops after their all-gather): each rank
+    computes only its share of the tokens."""
     from fxpar.rules.context import REPEATS
 
     seq = 48  # no other width of the model is 48
@@ -152,7 +152,9 @@ def test_activations_are_sequence_sharded() -> None:
              and prog.placements[n.name] == (Replicate(),)]
     rope = [n for n in whole if n.target is torch.ops.aten.slice.Tensor and n.args[0].op == "placeholder"]
     repeats = [n for n in whole if n.target in REPEATS]
-    assert len(rope) == 2 and len(repeats) == 4 * 2 * CFG.n_layers and len(whole) == len(rope) + len(repeats)
+    # per layer: k's repeat_kv (unsqueeze, expand, clone, view) after rope; v's head split (view, transpose) too,
+    # since nothing computes between v's projection and its repeat: its gather moves the projection output
+    assert len(rope) == 2 and len(repeats) == (4 + 6) * CFG.n_layers and len(whole) == len(rope) + len(repeats)
 
 
 @pytest.mark.parametrize("axes", [{"cp": 2}, {"cp": 4}])

@@ -28,9 +28,9 @@ from fxpar.ir import tensor_val
 from fxpar.rules import Candidate
 
 aten = torch.ops.aten
-# the ops of GQA's repeat_kv: none has fewer elements than its input
+# the ops of GQA's repeat_kv and of eager attention's k transpose: none has fewer elements than its input
 REPEATS = {aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.view.default,
-           aten._unsafe_view.default, aten.reshape.default}
+           aten._unsafe_view.default, aten.reshape.default, aten.transpose.int, aten.permute.default}
 SDPA_FORWARD = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 QUERY_DIM = 2  # [batch, heads, seq, head_dim]
@@ -83,8 +83,9 @@ class ContextPolicy:
 
 def gather_before_repeat(graph: fx.Graph, placements: dict, arg_placements: dict, ax: int) -> int:
     """Move each cp all-gather of a value made by a chain of ``REPEATS`` (GQA's ``repeat_kv``: unsqueeze, expand,
-    clone, view) to the chain's input: the chain then runs on the whole sequence, and the gather moves the kv heads
-    instead of the repeated query heads. Returns how many chains were moved.
+    clone, view; eager attention's ``k.transpose``) to the chain's input: the chain then runs on the whole
+    sequence, the gather moves the kv heads instead of the repeated query heads, and two layouts of one k share
+    one gather. Returns how many chains were moved.
 
     Requires: ``placements``/``arg_placements`` from ``propagate``. Ensures: the same values on every rank; no
     gather moves more bytes than before.
