@@ -223,3 +223,18 @@ def test_cp_refuses_what_it_does_not_compose_with() -> None:
 def test_ep_axis_on_a_model_without_experts_is_a_clear_error() -> None:
     with pytest.raises(fxpar.PlanError, match="'ep' shards the experts of MoE layers, but Llama has no experts"):
         fxpar.parallelize(Llama(CFG), fxpar.Mesh({"dp": 2, "ep": 2}, fake=True), (_tokens(4, 16),))
+
+
+def _hf_loss(out: object) -> torch.Tensor:
+    return out.loss
+
+
+def test_hf_in_model_loss_with_labels_matches_single_device() -> None:
+    """HF computes its loss inside the model from ``labels`` (shifted along the sequence, which cp shards):
+    ``model(input_ids=..., labels=...)`` at dp=2 x cp=2, compared on the model's own loss."""
+    pytest.importorskip("transformers")
+    from fxpar.models import hf_families
+
+    ids = hf_families.inputs("llama")[0]
+    assert_equivalent(hf_families.builder("llama"), {"dp": 2, "cp": 2}, None, {"input_ids": ids, "labels": ids},
+                      steps=3, loss_fn=_hf_loss)
