@@ -157,9 +157,9 @@ def test_activations_are_sequence_sharded() -> None:
     assert len(rope) == 2 and len(repeats) == (4 + 6) * CFG.n_layers and len(whole) == len(rope) + len(repeats)
 
 
-@pytest.mark.parametrize("axes", [{"cp": 2}, {"cp": 4}])
-def test_bundled_llama_matches_single_device(axes: dict[str, int]) -> None:
-    assert_equivalent(partial(Llama, CFG), axes, None, (_tokens(4, 16),), steps=3)
+def test_bundled_llama_matches_single_device() -> None:
+    # cp=4 and cp with microbatches run in the property suite (tests/test_properties.py)
+    assert_equivalent(partial(Llama, CFG), {"cp": 2}, None, (_tokens(4, 16),), steps=3)
 
 
 def test_dp_cp_tp_matches_single_device() -> None:
