@@ -32,10 +32,10 @@ from fxpar.models import hf_families  # noqa: E402
 HF_PLAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "mixtral",
            "mixtral_batched", "qwen2_moe", "olmoe", "olmo2", "granite", "starcoder2"}
 # families whose forward moves only k, v (per layer) and the logits over cp: every other activation stays a
-# sequence shard. The rest also compile and match, but gather more: OPT and Falcon flatten tokens themselves before
-# their MLP, MoE experts run on flattened tokens, eager attention's backward gathers q-sized products
-CP_LEAN = {"llama", "mistral", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "gpt2", "bert", "olmo2",
-           "stablelm", "granite", "starcoder2"}
+# sequence shard (T5 and BART also return the encoder's output, gathered too). The rest also compile and match, but
+# gather more: OPT and Falcon flatten tokens themselves before their MLP, MoE experts run on flattened tokens
+CP_LEAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "gpt2", "bert",
+           "olmo2", "stablelm", "granite", "starcoder2"}
 ON_GLOO = ["llama", "gemma2", "phi3", "gpt_neox", "bert", "t5", "gpt2", "mixtral", "mixtral_batched", "qwen2_moe"]
 
 

@@ -85,7 +85,8 @@ def gather_before_repeat(graph: fx.Graph, placements: dict, arg_placements: dict
     """Move each cp all-gather of a value made by a chain of ``REPEATS`` (GQA's ``repeat_kv``: unsqueeze, expand,
     clone, view; eager attention's ``k.transpose``) to the chain's input: the chain then runs on the whole
     sequence, the gather moves the kv heads instead of the repeated query heads, and two layouts of one k share
-    one gather. Returns how many chains were moved.
+    one gather; a chain that starts from a whole value (a saved, gathered k in the backward) needs no gather at all.
+    Returns how many chains were moved.
 
     Requires: ``placements``/``arg_placements`` from ``propagate``. Ensures: the same values on every rank; no
     gather moves more bytes than before.
@@ -97,11 +98,13 @@ def gather_before_repeat(graph: fx.Graph, placements: dict, arg_placements: dict
             if want is None or not isinstance(want[ax], Replicate) or not isinstance(_on(placements, arg, ax), Shard):
                 continue
             top = arg
-            while top.target in REPEATS and isinstance(_on(placements, top.args[0], ax), Shard):
+            while top.target in REPEATS and isinstance(source := _on(placements, top.args[0], ax), (Shard, Replicate)):
                 _set(placements, top.name, ax, Replicate())
                 arg_placements[top.name] = (_with(arg_placements[top.name][0], ax, Replicate()),
                                             *arg_placements[top.name][1:])
                 top = top.args[0]
+                if isinstance(source, Replicate):  # sliced from a whole value only to be gathered again: no gather
+                    break
             moved += top is not arg
     return moved
 
