@@ -56,7 +56,9 @@ def consumed_tensors(node: fx.Node) -> list[fx.Node | None]:
 
 
 def steps_between(axes: tuple[str, ...], src: Placements, dst: Placements) -> tuple[Step, ...]:
-    """Collective steps turning ``src`` into ``dst``, one per axis that changes."""
+    """Collective steps turning ``src`` into ``dst``, one per axis that changes, in mesh order, except that when
+    one axis gives up a dim another axis takes (``tp:S(1) -> cp:S(1)``), the steps that give up a shard run first:
+    a slice of a piece another axis still holds would take the wrong rows."""
     for placements in (src, dst):
         dims = [p.dim for p in placements if isinstance(p, Shard)]
         if len(dims) != len(set(dims)):
@@ -65,6 +67,9 @@ def steps_between(axes: tuple[str, ...], src: Placements, dst: Placements) -> tu
     for axis, s, d in zip(axes, src, dst, strict=True):
         if s != d:
             steps.append(Step(_op_for(s, d), axis, s, d))
+    taken = {st.dst.dim for st in steps if isinstance(st.dst, Shard)}
+    if any(isinstance(st.src, Shard) and st.src.dim in taken for st in steps):
+        steps.sort(key=lambda st: not isinstance(st.src, Shard))  # stable: mesh order within each group
     return tuple(steps)
 
 

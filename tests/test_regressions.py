@@ -14,6 +14,10 @@
    reads them as contiguous: every gradient from the final norm up was wrong (0.05), the output right. Found
    while adding uneven shards; the even case here failed the same way. Lowering now makes a redistributed
    value contiguous again when the traced value was.
+6. cp=2 x tp=2 with ``embed`` colwise and hidden = seq = 8: on cp, the embedding weight's hidden dim (8, the
+   sequence length) was taken while tp gave it up, and the redistribution sliced the cp piece out of the tp-local
+   piece before the tp all-gather: a silent wrong answer (output error 1.4). Steps that give up a shard of a dim
+   now run before steps that take it (``insert_collectives.steps_between``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ CASES = {
     "layer_norm_backward_on_sliced_stats": (
         TransformerSpec(layers=1, heads=1, kv_heads=1, head_dim=6, intermediate=12, vocab=30, norm="layer", seq=9),
         {"tp": 3}, {"layers.*.mlp.down": "colwise", "lm_head": "colwise"}),
+    "axis_takes_a_dim_another_gives_up": (
+        TransformerSpec(layers=1, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=32, seq=8),
+        {"cp": 2, "tp": 2}, {"embed": "colwise"}),
 }
 
 
@@ -51,3 +58,13 @@ CASES = {
 def test_found_by_property_suite(name: str) -> None:
     spec, mesh, plan = CASES[name]
     assert_equivalent(spec, mesh, plan, spec.inputs(2 * mesh.get("dp", 1)), steps=2)
+
+
+def test_a_shard_is_given_up_before_another_axis_takes_its_dim() -> None:
+    from fxpar.passes.insert_collectives import steps_between
+    from torch.distributed.tensor import Replicate, Shard
+
+    steps = steps_between(("cp", "tp"), (Replicate(), Shard(1)), (Shard(1), Replicate()))
+    assert [(st.axis, st.op) for st in steps] == [("tp", "all_gather"), ("cp", "slice")]
+    steps = steps_between(("dp", "tp"), (Replicate(), Shard(1)), (Shard(0), Replicate()))
+    assert [(st.axis, st.op) for st in steps] == [("dp", "slice"), ("tp", "all_gather")]  # other dims: mesh order
