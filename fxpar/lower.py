@@ -237,10 +237,11 @@ class _Lowerer:
         """This rank's piece of dim ``d`` of a value whole on ``axis`` (uneven sizes as ``fxpar.split`` says)."""
         ax = self.mesh.axis_index(axis)
         total = x.meta["val"].shape[d]
-        if self.split.balanced(total, ax):  # the cp sequence: chunks i and 2 * cp - 1 - i
-            n, c = self.mesh.shape[ax], total // (2 * self.mesh.shape[ax])
-            chunks = [self.emit(aten.slice.Tensor, (x, d, k * c, (k + 1) * c), module=module)
-                      for k in (self.coord[ax], 2 * n - 1 - self.coord[ax])]
+        if self.split.balanced(total, ax):  # the cp sequence: two chunks of consecutive positions
+            positions = self.split.indices(total, ax, self.coord[ax])
+            half = len(positions) // 2
+            chunks = [self.emit(aten.slice.Tensor, (x, d, p[0], p[-1] + 1), module=module)
+                      for p in (positions[:half], positions[half:])]
             return self.emit(aten.cat.default, (chunks, d), placements=after, module=module)
         start, size = self.split.piece(total, ax, self.coord[ax])
         return self.emit(aten.slice.Tensor, (x, d, start, start + size), placements=after, module=module)
