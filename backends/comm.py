@@ -16,6 +16,7 @@ COLLECTIVES = {
     c10d.all_reduce.default: "all_reduce",
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_to_all_single.default: "all_to_all",
     c10d.wait_tensor.default: "wait",
 }
 _GROUPS: dict[str, str] = {}
@@ -24,7 +25,7 @@ _GROUPS: dict[str, str] = {}
 def group_arg_index(target: object) -> int | None:
     """Position of the group-name argument of a lowered collective, if ``target`` is one."""
     return {c10d.all_reduce.default: 2, c10d.all_gather_into_tensor.default: 2,
-            c10d.reduce_scatter_tensor.default: 3}.get(target)
+            c10d.reduce_scatter_tensor.default: 3, c10d.all_to_all_single.default: 3}.get(target)
 
 
 def bind_groups(gm: fx.GraphModule, names: dict[str, str]) -> fx.GraphModule:
@@ -63,6 +64,17 @@ def all_gather(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, op: str, n: int, group: str) -> torch.Tensor:
     return c10d.reduce_scatter_tensor(x, op, n, _resolve(group))
+
+
+def all_to_all(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+               group: str) -> torch.Tensor:
+    return c10d.all_to_all_single(x, output_split_sizes, input_split_sizes, _resolve(group))
+
+
+def rank_sizes(counts: torch.Tensor, ranks: int) -> list[int]:
+    """The split sizes of an all-to-all of expert-sorted rows: ``counts`` (rows per expert, experts in contiguous
+    blocks of ``E / ranks`` per rank) summed per rank. It reads real counts, a host sync, as every EP dispatch does."""
+    return counts.view(ranks, -1).sum(dim=1).tolist()
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from fxpar.errors import CaptureError
 from fxpar.ir import Program, Provenance, Signature
 from fxpar.mesh import Mesh
+from fxpar.moe import experts_as_ops
 from fxpar.simplify import bmm_over_heads, drop_identity_batch_index, tokens_unflattened
 from fxpar.split import CONTEXT_AXIS
 
@@ -62,7 +63,8 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_state = _fake_state(model, fake_mode, mesh.device)
     fake_args = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, mesh.device), example_inputs)
-    with _reparametrize_module(model, fake_state, tie_weights=True), fake_mode:
+    with _reparametrize_module(model, fake_state, tie_weights=True), experts_as_ops(model, mesh.axes.get("ep", 1)), \
+            fake_mode:
         ep = _export(model, fake_args)
     return Exported(ep.module(), fake_mode, fake_args, ep.call_spec.out_spec)
 

@@ -110,7 +110,7 @@ def tensor_val(n: Any) -> torch.Tensor | None:
 
 
 def batch_placements(val: torch.Tensor, mesh: Mesh, batch: int | None = None, seq: int | None = None) -> Placements:
-    """Placements of a model output or a stage boundary value: batch-sharded (dim 0) on ``dp`` where
+    """Placements of a model output or a stage boundary value: batch-sharded (dim 0) on ``dp`` (and ``ep``) where
     dp divides it or it is a multiple of the global ``batch`` (split as ``fxpar.split`` says), sequence-sharded
     (dim 1) on ``cp`` where dim 1 is the sequence ``seq`` (stage boundaries: a model output is whole over cp),
     replicated on every other axis."""
@@ -120,7 +120,7 @@ def batch_placements(val: torch.Tensor, mesh: Mesh, batch: int | None = None, se
         return bool(val.ndim) and (val.shape[0] % n == 0 or bool(batch) and val.shape[0] % batch == 0)
 
     def placed(axis: str, n: int) -> Placement:
-        if axis == "dp" and n > 1 and batched(n):
+        if axis in ("dp", "ep") and n > 1 and batched(n):
             return Shard(0)
         if axis == "cp" and n > 1 and seq is not None and val.ndim >= 2 and val.shape[1] == seq:
             return Shard(1)

@@ -23,8 +23,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Replicate, Shard
 
 from fxpar.ir import Placements, Program
+from fxpar.lower_experts import EXPERT_AXIS, ExpertLowering
 from fxpar.overlap import inline_reduction, overlap
 from fxpar.passes.insert_collectives import Step, consumed_tensors
+from fxpar.rules.experts import EXPERT_OPS
 from fxpar.split import BATCH_AXIS, CONTEXT_AXIS, dp_share, splitter
 
 aten = torch.ops.aten
@@ -148,6 +150,7 @@ class _Lowerer:
         self.recompute: frozenset[str] = prog.notes.get("recompute", frozenset())
         self.recomputing = False  # lowering a node the backward recomputes: mark everything emitted for it
         self.for_node = ""  # the global node being lowered (the recompute budget measures trials by it)
+        self.experts = ExpertLowering(self) if self.mesh.axes.get(EXPERT_AXIS, 1) > 1 else None
 
     # -- emission helpers -------------------------------------------------------------------
     def emit(self, target: Any, args: tuple, kwargs: dict | None = None, placements: Any = None,
@@ -409,18 +412,25 @@ class _Lowerer:
         self.env[node.name] = new
         if self.zero3 and self.param_fqn.get(node.name) in self.zero:
             self.zero3_shard(node.name, new)
-        n_dp = self.mesh.axes.get(BATCH_AXIS, 1)
-        if is_tangent and n_dp > 1 and self.loss_outputs and isinstance(p[self.mesh.axis_index(BATCH_AXIS)], Shard):
+        n_dp, n_ep = self.batch_sharded(p, BATCH_AXIS), self.batch_sharded(p, EXPERT_AXIS)
+        if is_tangent and n_dp * n_ep > 1 and self.loss_outputs:
             # Each dp rank differentiates its own local (batch-mean) loss; dividing the incoming gradient
             # by dp makes parameter gradients the mean over dp ranks, as DDP and FSDP do. With a batch dp
             # does not divide, rank r's loss is a mean over b_r of the B samples: its weight is b_r / B.
-            share = dp_share(self.split, self.coord[self.mesh.axis_index(BATCH_AXIS)], self.mesh)
-            if share == 1 / n_dp:
-                self.env[node.name] = self.emit(aten.div.Tensor, (new, n_dp), placements=p,
+            # An ep axis shards the batch further (evenly: annotate refuses a batch dp x ep does not divide).
+            share = dp_share(self.split, self.coord[self.mesh.axis_index(BATCH_AXIS)], self.mesh) if n_dp > 1 else 1
+            share /= n_ep
+            if share == 1 / (n_dp * n_ep):
+                self.env[node.name] = self.emit(aten.div.Tensor, (new, n_dp * n_ep), placements=p,
                                                 name=f"{node.name}_dp_mean")
             else:
                 self.env[node.name] = self.emit(aten.mul.Tensor, (new, share), placements=p,
                                                 name=f"{node.name}_dp_share")
+
+    def batch_sharded(self, p: Placements, axis: str) -> int:
+        """The size of ``axis`` if ``p`` shards a value over it (a batch axis), else 1."""
+        n = self.mesh.axes.get(axis, 1)
+        return n if n > 1 and isinstance(p[self.mesh.axis_index(axis)], Shard) else 1
 
     def zero3_shard(self, name: str, ph: fx.Node) -> None:
         """ZeRO-3: the placeholder takes this rank's dp shard; its all-gather is emitted at the first use.
@@ -472,6 +482,10 @@ class _Lowerer:
         local_args = self.local_inputs(node, plan, module)
         self.recomputing = node.name in self.recompute
         args, kwargs = pytree.tree_map_only(fx.Node, lambda a: local_args[a.name], (node.args, node.kwargs))
+        if node.target in EXPERT_OPS and self.experts is not None:
+            self.env[node.name] = self.experts.lower(node, args, module)
+            self.recomputing = False
+            return
         target, args = self.localize(node, args, placements)
         if target in CAUSAL_ATTENTION:
             args, kwargs = self.causal_on_context(node, args, kwargs)

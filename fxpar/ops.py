@@ -48,3 +48,6 @@ def token_contract(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @token_contract.register_fake
 def _token_contract_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.new_empty((a.shape[-1], b.shape[-1]))
+
+
+from fxpar import moe  # noqa: E402, F401  (the experts ops: fxpar.moe_experts, fxpar.expert_mlp, ...)

@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Placement
 from fxpar.errors import PlanError, close_matches
 
 STYLES = ("colwise", "rowwise", "replicate")
-SUPPORTED_AXES = ("pp", "dp", "cp", "tp")
+SUPPORTED_AXES = ("pp", "dp", "ep", "cp", "tp")
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
@@ -97,6 +97,19 @@ def _check_axes(plan: Plan, axes: dict[str, int]) -> None:
                         "has no tp axis of size > 1")
     if axes.get("cp", 1) > 1:
         _check_context(plan, axes, have)
+    if axes.get("ep", 1) > 1:
+        _check_expert(plan, axes, have)
+
+
+def _check_expert(plan: Plan, axes: dict[str, int], have: str) -> None:
+    """What an ep axis does not compose with yet."""
+    other = [a for a in ("pp", "cp") if axes.get(a, 1) > 1]
+    if other:
+        raise PlanError(f"an ep axis with {' and '.join(repr(a) for a in other)} ({have}) is not supported yet; "
+                        "ep composes with dp and tp")
+    for name, value in (("zero", plan.zero), ("fp8", plan.fp8), ("sequence_parallel", plan.sequence_parallel)):
+        if value:
+            raise PlanError(f"Plan({name}={value!r}) with an ep axis ({have}) is not supported yet")
 
 
 def _check_context(plan: Plan, axes: dict[str, int], have: str) -> None:

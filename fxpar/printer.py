@@ -14,7 +14,7 @@ import torch.fx as fx
 from tabulate import tabulate
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxpar.backends.comm import c10d
+from fxpar.backends.comm import c10d, rank_sizes
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow, RankProgram
 
@@ -22,7 +22,8 @@ _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", t
            torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.float8_e4m3fn: "f8e4m3",
            torch.float8_e5m2: "f8e5m2", torch.uint8: "u8", torch.int8: "i8"}
 _COMM = {c10d.all_reduce.default: "comm.all_reduce", c10d.all_gather_into_tensor.default: "comm.all_gather",
-         c10d.reduce_scatter_tensor.default: "comm.reduce_scatter", c10d.wait_tensor.default: "comm.wait"}
+         c10d.reduce_scatter_tensor.default: "comm.reduce_scatter", c10d.wait_tensor.default: "comm.wait",
+         c10d.all_to_all_single.default: "comm.all_to_all", rank_sizes: "comm.rank_sizes"}
 CODE_WIDTH = 64
 
 
@@ -90,7 +91,7 @@ def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str], verbosity: 
     notes = [type_str(n.meta.get("val")), placements_str(n.meta.get("placements"), axes)]
     if n.meta.get("recomputed"):
         notes.append("recomputed")
-    if n.target in _COMM and n.target is not c10d.wait_tensor.default:
+    if n.target in _COMM and n.target not in (c10d.wait_tensor.default, rank_sizes):
         notes.append(f"inflight {n.name}")
     elif n.meta.get("module"):
         notes.append(n.meta["module"])

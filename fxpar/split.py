@@ -31,6 +31,12 @@ from torch.distributed.tensor import Shard
 
 BATCH_AXIS = "dp"
 CONTEXT_AXIS = "cp"
+BATCH_AXES = ("dp", "ep")  # expert parallelism borrows the data-parallel ranks: ep shards the batch too (evenly)
+
+
+def batch_ranks(mesh: Any) -> int:
+    """How many pieces the batch is split into: ``dp * ep``."""
+    return mesh.axes.get("dp", 1) * mesh.axes.get("ep", 1)
 
 
 def chunk_sizes(total: int, n: int) -> list[int]:

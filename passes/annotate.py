@@ -19,7 +19,8 @@ def annotate(prog: Program, ctx: Context) -> Program:
     Requires: a captured Program; ``ctx.plan`` globs over ``ctx.model.named_modules()``.
     Ensures: every param/buffer/input placeholder has a placement per mesh axis: ``dp``
     shards inputs on dim 0 and replicates state; ``tp`` applies the plan (replicate otherwise);
-    ``pp`` replicates everything (each stage is its own program). Inputs are batch-sharded over dp on dim 0
+    ``ep`` shards HF experts modules' weights on their experts dim (dim 0) and, like dp, the batch;
+    ``pp`` replicates everything (each stage is its own program). Inputs are batch-sharded over dp (and ep) on dim 0
     when dim 0 is the batch (the first input's dim 0); other inputs are replicated. A pipeline stage's received
     values are placed as the previous stage's outputs are (``batch_placements``).
     Raises PlanError for unknown axes, globs that match nothing and unsupported modules,
@@ -29,7 +30,7 @@ def annotate(prog: Program, ctx: Context) -> Program:
     """
     mesh = prog.mesh
     for axis in mesh.names:
-        if axis == "ep":
+        if axis == "ep" and not any(p and is_hf_experts(m) for p, m in ctx.model.named_modules()):
             raise PlanError(_no_expert_parallel(ctx.model))
         if axis not in SUPPORTED_AXES:
             hint = close_matches(axis, list(SUPPORTED_AXES))
@@ -46,7 +47,10 @@ def annotate(prog: Program, ctx: Context) -> Program:
         per_axis = []
         for axis, n in mesh.axes.items():
             style = styles.get(path, "replicate") if axis == "tp" else "replicate"
-            per_axis.append(param_tp_placement(modules[path], path, pname, style) if n > 1 else Replicate())
+            if axis == "ep" and n > 1:
+                per_axis.append(Shard(0) if is_hf_experts(modules[path]) else Replicate())  # experts dim
+            else:
+                per_axis.append(param_tp_placement(modules[path], path, pname, style) if n > 1 else Replicate())
         placements[name] = tuple(per_axis)  # a dim the axis does not divide is split as DTensor does
         check_shardable(prog.node(name).meta["val"].shape, placements[name], mesh.shape,
                         f"parameter {fqn!r} (module {path!r})")
@@ -65,8 +69,12 @@ def annotate(prog: Program, ctx: Context) -> Program:
             continue
         # the batch: dim 0 of the first input, and of every input as long (a [1, s] position table is not)
         batch = Shard(0) if val.ndim >= 1 and val.shape[0] == global_batch else Replicate()
-        placements[name] = tuple(batch if (a == "dp" and n > 1) else Replicate() for a, n in mesh.axes.items())
-        dp = mesh.axes.get("dp", 1)
+        placements[name] = tuple(batch if (a in ("dp", "ep") and n > 1) else Replicate() for a, n in mesh.axes.items())
+        dp, ep = mesh.axes.get("dp", 1), mesh.axes.get("ep", 1)
+        if ep > 1 and batch == Shard(0) and val.shape[0] % (dp * ep):
+            raise ValueError(f"input {i - received}: expert parallelism shards the batch over dp x ep = {dp * ep} "
+                             f"ranks (as data parallelism does), but the batch of {val.shape[0]} is not a multiple "
+                             f"of {dp * ep}; use a batch that dp x ep divides")
         if dp > 1 and batch == Shard(0) and val.shape[0] < dp:
             raise ValueError(f"input {i - received}: a batch of {val.shape[0]} over dp={dp} leaves some dp rank "
                              "without a sample (its batch-mean loss would be undefined); use a batch of at least "
@@ -89,9 +97,5 @@ def _check_sequence(prog: Program) -> None:
 
 
 def _no_expert_parallel(model: torch.nn.Module) -> str:
-    experts = [p for p, m in model.named_modules() if p and is_hf_experts(m)]
-    if not experts:
-        return (f"mesh axis 'ep' shards the experts of MoE layers, but {type(model).__name__} has no experts module "
-                "(Hugging Face MoE experts, e.g. Mixtral's); use 'dp' to shard the batch")
-    return (f"expert parallelism (an 'ep' mesh axis) is not supported yet; {type(model).__name__}'s {len(experts)} "
-            f"experts modules ({experts[0]}, ...) run data parallel over 'dp' with the rest of the model")
+    return (f"mesh axis 'ep' shards the experts of MoE layers, but {type(model).__name__} has no experts module "
+            "(Hugging Face MoE experts, e.g. Mixtral's); use 'dp' to shard the batch")

@@ -44,7 +44,11 @@ def insert_collectives(prog: Program, ctx: Context) -> Program:
                                      "consumed as one; a max partial (an fp8 amax) must be all-reduced first")
             src = prog.placements[arg.name]
             if src != dst:
-                plan[(node.name, pos)] = (arg.name, dst, steps_between(prog.mesh.names, src, dst))
+                try:
+                    steps = steps_between(prog.mesh.names, src, dst)
+                except NotImplementedError as e:
+                    raise NotImplementedError(f"{e} ({arg.name} -> {node.name}, {node.target})") from None
+                plan[(node.name, pos)] = (arg.name, dst, steps)
     return prog.replace("insert_collectives", notes={**prog.notes, "redistribute": plan})
 
 
@@ -58,19 +62,37 @@ def consumed_tensors(node: fx.Node) -> list[fx.Node | None]:
 def steps_between(axes: tuple[str, ...], src: Placements, dst: Placements) -> tuple[Step, ...]:
     """Collective steps turning ``src`` into ``dst``, one per axis that changes, in mesh order, except that when
     one axis gives up a dim another axis takes (``tp:S(1) -> cp:S(1)``), the steps that give up a shard run first:
-    a slice of a piece another axis still holds would take the wrong rows."""
-    for placements in (src, dst):
-        dims = [p.dim for p in placements if isinstance(p, Shard)]
-        if len(dims) != len(set(dims)):
-            raise NotImplementedError(f"two mesh axes shard the same dim: {placements}")
-    steps = []
-    for axis, s, d in zip(axes, src, dst, strict=True):
-        if s != d:
-            steps.append(Step(_op_for(s, d), axis, s, d))
+    a slice of a piece another axis still holds would take the wrong rows.
+
+    A dim two axes shard (the batch over ``dp`` then ``ep``) is split by the first axis, then each piece by the next
+    (DTensor's nesting, in mesh order): only the innermost of them may change, gathers innermost first and slices
+    outermost first."""
+    steps = [Step(_op_for(s, d), axis, s, d) for axis, s, d in zip(axes, src, dst, strict=True) if s != d]
+    nested = _nested_dims(src) | _nested_dims(dst)
+    for d in nested:
+        _check_nested(axes, src, dst, d)
     taken = {st.dst.dim for st in steps if isinstance(st.dst, Shard)}
     if any(isinstance(st.src, Shard) and st.src.dim in taken for st in steps):
         steps.sort(key=lambda st: not isinstance(st.src, Shard))  # stable: mesh order within each group
+    if nested:  # gathers of a nested dim run innermost first
+        order = {ax: i for i, ax in enumerate(axes)}
+        steps.sort(key=lambda st: (not isinstance(st.src, Shard),
+                                   -order[st.axis] if isinstance(st.src, Shard) else order[st.axis]))
     return tuple(steps)
+
+
+def _nested_dims(placements: Placements) -> set[int]:
+    dims = [p.dim for p in placements if isinstance(p, Shard)]
+    return {d for d in dims if dims.count(d) > 1}
+
+
+def _check_nested(axes: tuple[str, ...], src: Placements, dst: Placements, d: int) -> None:
+    """Every axis that changes how dim ``d`` is sharded comes after every axis that keeps sharding it."""
+    kept = [i for i, (s, t) in enumerate(zip(src, dst, strict=True)) if s == t == Shard(d)]
+    changed = [i for i, (s, t) in enumerate(zip(src, dst, strict=True)) if s != t and Shard(d) in (s, t)]
+    if kept and changed and min(changed) < max(kept):
+        raise NotImplementedError(f"two mesh axes shard the same dim and an outer one changes: {src} -> {dst} "
+                                  f"over {axes}")
 
 
 def _op_for(src: Placement, dst: Placement) -> str:

@@ -34,9 +34,10 @@ from fxpar.pipeline import Context
 from fxpar.rules import Candidate, candidates
 from fxpar.rules.batch_views import batch_view_candidate
 from fxpar.rules.context import ContextPolicy, gather_before_repeat
+from fxpar.rules.experts import EXPERT_OPS, experts_candidate
 from fxpar.rules.scatter_add import is_partial_scatter_add, partial_zeros, scatter_add_candidate
 from fxpar.rules.token_local import TokenLocal
-from fxpar.split import BATCH_AXIS, CONTEXT_AXIS, Splitter, splitter
+from fxpar.split import BATCH_AXES, BATCH_AXIS, CONTEXT_AXIS, Splitter, splitter
 
 aten = torch.ops.aten
 
@@ -140,6 +141,8 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
         region_cand = local.candidate(node, tensor_args, cur) if in_region and n > 1 else None
         if n == 1:
             cand = Candidate(tuple(Replicate() for _ in cur), _all(val, Replicate()))
+        elif node.target in EXPERT_OPS:
+            cand = experts_candidate(node, prog.mesh.names[ax])
         elif region_cand is not None:
             cand = region_cand
         else:
@@ -152,8 +155,10 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
             else:
                 extra = scatter_add_candidate(node, cur)
             zeros = partial_zeros(node, lambda a, ax=ax: _placed_on(placements, a, ax), cur)
-            cand = zeros or _choose(node, tensor_args, cur, n, param_like, _taken_dims(per_axis_in, per_axis_out),
-                                    sharded, extra, on_cp)
+            nested = _batch_axes_before(prog.mesh.names, ax)  # the batch dim is sharded over dp, then ep
+            taken = _taken_dims([p for i, p in enumerate(per_axis_in) if i not in nested],
+                                [p for i, p in enumerate(per_axis_out) if i not in nested])
+            cand = zeros or _choose(node, tensor_args, cur, n, param_like, taken, sharded, extra, on_cp)
         per_axis_in.append(cand.inputs)
         per_axis_out.append(cand.output)
     arg_placements[node.name] = tuple(tuple(ins) for ins in zip(*per_axis_in, strict=True)) if tensor_args else ()
@@ -164,6 +169,12 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
         placements[node.name] = tuple(per_axis_out)
     if node.target in VIEW_LIKE and tensor_args and tensor_args[0].name in param_like:
         param_like.add(node.name)
+
+
+def _batch_axes_before(names: tuple[str, ...], ax: int) -> set[int]:
+    """Earlier mesh axes that, like axis ``ax``, shard the batch (``dp`` before ``ep``): their shards of a dim do not
+    take it from ``ax``, which splits each of their pieces again."""
+    return {i for i in range(ax) if names[ax] in BATCH_AXES and names[i] in BATCH_AXES}
 
 
 def _placed_on(placements: dict[str, Any], node: fx.Node, ax: int) -> Placement | None:

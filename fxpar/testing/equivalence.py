@@ -33,7 +33,7 @@ import fxpar
 from fxpar import serialize
 from fxpar.api import compile_program
 from fxpar.compiled import Compiled
-from fxpar.split import Splitter, batch_weight, chunk_sizes
+from fxpar.split import BATCH_AXES, Splitter, batch_ranks, batch_weight, chunk_sizes
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
 from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
 
@@ -230,7 +230,7 @@ def _check_steps(case: Case, pm: fxpar.ParallelModule, reference: torch.nn.Modul
         model_args = (local_inputs,) if isinstance(local_inputs, dict) else local_inputs
         args = (*model_args, local_targets) if local_targets is not None else model_args
         loss = pm.step(*args)
-        ref_loss = _reference_step(case, reference, loss_fn, mesh.axes.get("dp", 1), pm._compiled.microbatches)
+        ref_loss = _reference_step(case, reference, loss_fn, batch_ranks(mesh), pm._compiled.microbatches)
         report.losses.append((loss.item(), ref_loss.item()))
         _compare("loss", loss.reshape(1), ref_loss.detach().reshape(1), step, tol, report)
         _compare_grads_and_step(case, pm, reference, opt, ref_opt, step, tol, report, pcoord, psizes)
@@ -240,8 +240,9 @@ def _check_steps(case: Case, pm: fxpar.ParallelModule, reference: torch.nn.Modul
 def _reference_step(case: Case, reference: torch.nn.Module, loss_fn: LossFn, dp: int, m: int) -> torch.Tensor:
     """Forward and backward of the single-device model over the global batch, in the microbatches ``pm.step`` uses.
 
-    Microbatch ``j`` is every dp shard's ``j``-th slice; each loss is scaled by ``1/m`` before backward and the
-    returned loss is their mean. In exact arithmetic that is the full-batch loss and gradient; in fp32 it also
+    Microbatch ``j`` is every batch shard's ``j``-th slice (``dp``: how many pieces the batch is split into, over
+    dp and ep); each loss is scaled by ``1/m`` before backward and the returned loss is their mean. In exact
+    arithmetic that is the full-batch loss and gradient; in fp32 it also
     sums in the parallel program's grouping, so the comparison tests the compiler, not the reordering (a
     full-batch reference differs from a microbatched one by up to ~3e-5 relative on small gradients).
     """
@@ -326,13 +327,22 @@ def _build_twice(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def _dp_shard(inputs: tuple[Any, ...], mesh: fxpar.Mesh, rank: int) -> tuple[Any, ...]:
-    """This rank's dp piece of each batched input: ``torch.tensor_split``, as fxpar splits a batch."""
-    if mesh.axes.get("dp", 1) == 1:
+    """This rank's batch piece of each batched input: ``torch.tensor_split`` over dp, then over ep (the batch axes,
+    in mesh order), as fxpar splits a batch."""
+    axes = [a for a in mesh.names if a in BATCH_AXES and mesh.axes[a] > 1]
+    if not axes:
         return inputs
-    dp, idx = mesh.axes["dp"], mesh.coord(rank)[mesh.axis_index("dp")]
     batch = _batch(inputs)  # inputs whose dim 0 is not the batch (a [1, s] table) are replicated, as fxpar does
-    return _map(lambda x: x.tensor_split(dp)[idx] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch
-                else x, inputs)
+    coord = mesh.coord(rank)
+
+    def piece(x: Any) -> Any:
+        if not (isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch):
+            return x
+        for a in axes:
+            x = x.tensor_split(mesh.axes[a])[coord[mesh.axis_index(a)]]
+        return x
+
+    return _map(piece, inputs)
 
 
 def _values(inputs: tuple[Any, ...] | dict[str, Any]) -> list[Any]:
