@@ -23,7 +23,7 @@ from fxpar.mesh import Mesh
 from fxpar.pipeline import Context, run_pipeline
 from fxpar.plan import Plan, as_plan
 from fxpar.schedules import Schedule, make_schedule
-from fxpar.split import CONTEXT_AXIS
+from fxpar.split import CONTEXT_AXIS, batch_ranks
 from fxpar.stages import split_stages
 
 
@@ -157,12 +157,13 @@ def _flatten_inputs(example_inputs: Any) -> tuple[str, tuple[str, ...], list[Any
 
 def _microbatch_inputs(flat: list[Any], mesh: Mesh, m: int) -> list[Any]:
     """The example inputs of one microbatch: dim 0 of every batched tensor divided by ``m``."""
-    dp = mesh.axes.get("dp", 1)
+    dp = batch_ranks(mesh)
     batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.ndim), None)
     if m == 1 or batch is None:
         return flat
     if batch % dp or (batch // dp) % m:
-        raise PlanError(f"microbatches={m} does not divide the local batch: the global batch {batch} over dp={dp} "
+        over = "dp" if "ep" not in mesh.axes else "dp x ep"
+        raise PlanError(f"microbatches={m} does not divide the local batch: the global batch {batch} over {over}={dp} "
                         f"is {batch / dp:g} per rank; choose microbatches that divide it (a batch dp does not "
                         "divide works with microbatches=1 only: every microbatch runs one compiled program, so "
                         "all of a rank's microbatches must have one size)")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -251,10 +252,17 @@ def check_experts_module(path: str, module: torch.nn.Module, ep: int) -> None:
     if module.num_experts % ep:
         raise PlanError(f"ep={ep} does not divide the {module.num_experts} experts of {path!r}; use an ep axis "
                         "that divides the number of experts")
-    act = getattr(module.config, "hidden_act", None)
-    if act not in ACTIVATION_GRADS or type(_activation(act)) is not type(module.act_fn):
-        raise PlanError(f"expert parallelism supports the experts activations {sorted(ACTIVATION_GRADS)} (the "
-                        f"config's hidden_act); {path!r} uses {act!r} ({type(module.act_fn).__name__})")
+    if activation_name(module.act_fn) is None:
+        raise PlanError(f"expert parallelism supports the experts activations {sorted(ACTIVATION_GRADS)}; {path!r} "
+                        f"uses {module.act_fn!r}")
+
+
+def activation_name(act_fn: Any) -> str | None:
+    """The ``ACT2FN`` name of an experts module's ``act_fn`` (an activation module or function), if supported."""
+    functions = {torch.nn.functional.silu: "silu", torch.nn.functional.gelu: "gelu", torch.nn.functional.relu: "relu"}
+    if act_fn in functions:
+        return functions[act_fn]
+    return next((name for name in ACTIVATION_GRADS if type(_activation(name)) is type(act_fn)), None)
 
 
 @contextmanager
@@ -276,7 +284,7 @@ def experts_as_ops(model: torch.nn.Module, ep: int) -> Iterator[None]:
 
 def experts_forward(module: torch.nn.Module):  # noqa: ANN201  (a bound forward)
     """The forward capture traces for an HF experts module on an ep mesh: one ``moe_experts`` call."""
-    act = module.config.hidden_act
+    act = activation_name(module.act_fn)
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

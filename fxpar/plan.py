@@ -64,9 +64,9 @@ def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = No
     without ``tp``), then what is not built yet.
     """
     if plan is None:
-        return Plan()
+        plan = Plan()
     if isinstance(plan, dict):
-        return Plan(tp=dict(plan))
+        plan = Plan(tp=dict(plan))
     if not isinstance(plan, Plan):
         raise PlanError("plan must be a fxpar.Plan or a dict of module-path globs to styles, "
                         f"got {type(plan).__name__}")
