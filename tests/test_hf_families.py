@@ -30,7 +30,7 @@ pytest.importorskip("transformers")
 from fxpar.models import hf_families  # noqa: E402
 
 HF_PLAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "mixtral",
-           "mixtral_batched", "qwen2_moe", "olmoe", "olmo2", "granite", "starcoder2"}
+           "mixtral_batched", "qwen2_moe", "qwen3_moe", "olmoe", "olmo2", "granite", "starcoder2"}
 # families whose forward moves only k, v (per layer) and the logits over cp: every other activation stays a
 # sequence shard (T5 and BART also return the encoder's output, gathered too). The rest also compile and match, but
 # gather more: OPT and Falcon flatten tokens themselves before their MLP, MoE experts run on flattened tokens
@@ -88,6 +88,21 @@ def test_context_parallel_compiles_and_keeps_the_sequence_sharded(family: str) -
     assert "cp:S(" in pm.program(0)
     if family in CP_LEAN:  # 2 layers: k and v each, then the logits for the output
         assert len(forward) == 2 * 2 + 1, [r.shape for r in forward]
+
+
+MOE = ["mixtral", "mixtral_batched", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+@pytest.mark.parametrize("family", [*MOE, "mixtral_eager_experts"])
+def test_expert_parallel_compiles_and_routes_tokens(family: str) -> None:
+    """At dp=2 x ep=2 each MoE layer routes with five all-to-alls over ep (three forward, two backward) and nothing
+    gathers the batch. HF's eager experts (a data-dependent Python loop, a capture error at dp) trace as one op."""
+    pm = fxpar.parallelize(hf_families.builder(family)(), fxpar.Mesh({"dp": 2, "ep": 2}, fake=True),
+                           hf_families.inputs(family.removesuffix("_eager_experts")))
+    rows = pm.ledger(0)
+    assert len([r for r in rows if r.op == "all_to_all" and r.axis == "ep"]) == 5 * hf_families.LAYERS
+    assert not [r for r in rows if r.op == "all_gather"]
+    assert "ep:S(0)" in pm.program(0)
 
 
 def test_families_without_an_hf_plan_say_so() -> None:

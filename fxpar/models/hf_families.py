@@ -126,6 +126,11 @@ def qwen2_moe() -> torch.nn.Module:
                   mlp_only_layers=[], **_decoder_kw())
 
 
+def qwen3_moe() -> torch.nn.Module:
+    return _build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[], **_decoder_kw())
+
+
 def olmoe() -> torch.nn.Module:
     return _build("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2, **_decoder_kw())
 
@@ -171,6 +176,7 @@ FEATURES = {
     "mixtral": "MoE, top-2 of 4 experts, HF's default grouped_mm experts",
     "mixtral_batched": "MoE with batched_mm experts (scatter-add weight gradients)",
     "qwen2_moe": "MoE with a gated shared expert",
+    "qwen3_moe": "MoE with q/k norms, no shared expert",
     "olmoe": "MoE with q/k norms",
     "olmo2": "q/k norms over the full width, post-norms",
     "stablelm": "partial rotary, LayerNorm",

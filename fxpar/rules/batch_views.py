@@ -26,8 +26,10 @@ def batch_view_candidate(node: fx.Node, cur: Shard, split: Splitter, ax: int) ->
     """``Shard(d) -> Shard(j)`` for a view of a value sharded unevenly on dim ``d`` over the batch axis ``ax``,
     when every rank's rows form whole rows of output dim ``j`` in the split ``fxpar.split`` gives that dim;
     ``None`` otherwise (the caller falls back to DTensor's rules)."""
+    if node.target not in VIEWS:
+        return None
     src, out = node.args[0].meta.get("val"), node.meta.get("val")
-    if node.target not in VIEWS or not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
         return None
     d = cur.dim
     if split.is_even(src.shape, (*[None] * ax, cur)) or math.prod(src.shape[:d]) != 1:
