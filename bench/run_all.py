@@ -12,6 +12,8 @@
 7. ``recompute.py``: saved activations per recompute policy (predicted, measured, formula) and step time.
 8. ``overlap.py``: overlap on vs off: step time and the fraction of collective bytes hidden behind compute.
 9. ``fp8.py``: FP8 SNR against fp32 and tensor-parallel FP8 against single-device FP8.
+10. ``context_parallel.py``: cp activation memory, bytes against the all-gather formula, causal balance.
+11. ``expert_parallel.py``: ep parameter memory, all-to-all and all-reduce bytes against their formulas, routing.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def commands(layers: str, repeats: int) -> list[list[str]]:
             [py, os.path.join(HERE, "sequence_parallel.py")],
             [py, os.path.join(HERE, "recompute.py")],
             [py, os.path.join(HERE, "overlap.py")],
-            [py, os.path.join(HERE, "fp8.py")]]
+            [py, os.path.join(HERE, "fp8.py")],
+            [py, os.path.join(HERE, "context_parallel.py")],
+            [py, os.path.join(HERE, "expert_parallel.py")]]
 
 
 def main() -> None:

@@ -131,6 +131,7 @@ def test_rank_program_shows_the_route() -> None:
     ("mixtral", {"ep": 2}),
     ("mixtral", {"dp": 2, "ep": 2}),
     ("qwen2_moe", {"ep": 2}),  # a shared expert beside the routed ones, and a sigmoid-gated shared output
+    ("qwen3_moe", {"ep": 2}),
 ])
 def test_expert_parallel_matches_single_device(family: str, axes: dict[str, int]) -> None:
     assert_equivalent(getattr(hf_families, family), axes, None, hf_families.inputs(family, seed=1))
