@@ -27,7 +27,7 @@ from fxpar.lower_experts import EXPERT_AXIS, ExpertLowering
 from fxpar.overlap import inline_reduction, overlap
 from fxpar.passes.insert_collectives import Step, consumed_tensors
 from fxpar.rules.experts import EXPERT_OPS
-from fxpar.split import BATCH_AXIS, CONTEXT_AXIS, dp_share, splitter
+from fxpar.split import BATCH_AXES, BATCH_AXIS, CONTEXT_AXIS, dp_share, splitter
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -136,6 +136,7 @@ class _Lowerer:
         sig = prog.signature
         self.grad_fqn = {idx: fqn for fqn, idx in sig.grads}
         self.deferred: list[tuple[int, str, fx.Node]] = []
+        self.deferred_axes: dict[str, tuple[str, ...]] = {}  # the batch axes each deferred gradient is reduced over
         # a tied weight can appear as two placeholders; the second keeps its graph name
         self.local_names: dict[str, str] = {}
         for fqn, name in (*sig.params, *sig.buffers):
@@ -617,17 +618,20 @@ class _Lowerer:
 
     def defer_dp_reduction(self, pos: int, producer: str, dst: Placements, steps: tuple[Step, ...]
                            ) -> tuple[Placements, tuple[Step, ...]]:
-        """Keep a parameter gradient partial over dp: it is summed over microbatches, then reduced once per step.
+        """Keep a parameter gradient partial over the batch axes (dp, and ep for dense parameters): it is summed
+        over microbatches, then reduced once per step.
 
-        Partial sums commute with the other axes' steps, so deferring the dp all-reduce is exact.
+        Partial sums commute with the other axes' steps, so deferring the batch all-reduces is exact.
         """
-        dp = [st for st in steps if st.axis == "dp" and st.op == "all_reduce"]
-        if not dp:
+        batch = [st for st in steps if st.axis in BATCH_AXES and st.op == "all_reduce"]
+        if not batch:
             return dst, steps
-        ax = self.mesh.axis_index("dp")
-        dst = (*dst[:ax], dp[0].src, *dst[ax + 1:])
+        placed = list(dst)
+        for st in batch:
+            placed[self.mesh.axis_index(st.axis)] = st.src
         self.deferred.append((pos, self.grad_fqn[pos], self.prog.node(producer)))
-        return dst, tuple(st for st in steps if st not in dp)
+        self.deferred_axes[self.grad_fqn[pos]] = tuple(st.axis for st in batch)
+        return tuple(placed), tuple(st for st in steps if st not in batch)
 
     def reduce_grads_graph(self, backward: fx.GraphModule) -> fx.Graph | None:
         """``reduce_grads(g...)``: the deferred dp all-reduces of accumulated gradients, in backward output order."""
@@ -640,14 +644,16 @@ class _Lowerer:
         for pos, fqn, _ in self.deferred:
             placeholders[fqn] = ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
             ph.meta.update(outs[pos - num_outputs].meta)
-        results: dict[str, fx.Node] = {}
-        for bucket in self.buckets(placeholders):
-            if bucket[0] in self.zero:  # ZeRO: each rank keeps the reduced shard its parameter shard needs
-                results[bucket[0]] = self.scatter(placeholders[bucket[0]], self.zero[bucket[0]],
-                                                  self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
-                                                  contiguous=True, zero_shard=True)
-            else:
-                results.update(self.all_reduce_bucket([(fqn, placeholders[fqn]) for fqn in bucket]))
+        results: dict[str, fx.Node] = dict(placeholders)
+        for axis in (a for a in self.mesh.names if a in BATCH_AXES):  # dp, then ep: each sums its own partial
+            reduced = {fqn: results[fqn] for fqn in placeholders if axis in self.deferred_axes[fqn]}
+            for bucket in self.buckets(reduced):
+                if bucket[0] in self.zero:  # ZeRO: each rank keeps the reduced shard its parameter shard needs
+                    results[bucket[0]] = self.scatter(results[bucket[0]], self.zero[bucket[0]],
+                                                      self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
+                                                      contiguous=True, zero_shard=True)
+                else:
+                    results.update(self.all_reduce_bucket([(fqn, results[fqn]) for fqn in bucket], axis))
         self.graph.output(tuple(results[fqn] for _, fqn, _ in self.deferred))
         graph, self.graph = self.graph, main
         return graph
@@ -661,20 +667,20 @@ class _Lowerer:
         return [[fqn] for fqn in placeholders if fqn in self.zero] + [
             kept for bucket in planned if (kept := [fqn for fqn in bucket if fqn in placeholders])]
 
-    def all_reduce_bucket(self, grads: list[tuple[str, fx.Node]]) -> dict[str, fx.Node]:
-        """One dp all-reduce of the gradients ``grads`` (flattened into one buffer when more than one)."""
+    def all_reduce_bucket(self, grads: list[tuple[str, fx.Node]], axis: str = BATCH_AXIS) -> dict[str, fx.Node]:
+        """One all-reduce over ``axis`` of the gradients ``grads`` (flattened into one buffer when more than one)."""
         if len(grads) == 1:
             fqn, ph = grads[0]
-            y = self.emit(c10d.all_reduce.default, (ph, "sum", self.group("dp")), module=fqn,
+            y = self.emit(c10d.all_reduce.default, (ph, "sum", self.group(axis)), module=fqn,
                           name=f"{ph.name}_allreduce")
-            self.record("all_reduce", "dp", ph.meta["val"], y)
+            self.record("all_reduce", axis, ph.meta["val"], y)
             return {fqn: self.emit(c10d.wait_tensor.default, (y,), module=fqn, name=f"{ph.name}_reduced")}
         module = f"bucket of {len(grads)}: {grads[0][0]} .. {grads[-1][0]}"
         flat = [self.emit(aten.reshape.default, (ph, [-1]), module=fqn) for fqn, ph in grads]
         buf = self.emit(aten.cat.default, (flat,), module=module)
-        y = self.emit(c10d.all_reduce.default, (buf, "sum", self.group("dp")), module=module,
+        y = self.emit(c10d.all_reduce.default, (buf, "sum", self.group(axis)), module=module,
                       name=f"bucket_{grads[0][1].name}_allreduce")
-        self.record("all_reduce", "dp", buf.meta["val"], y)
+        self.record("all_reduce", axis, buf.meta["val"], y)
         reduced = self.emit(c10d.wait_tensor.default, (y,), module=module, name=f"bucket_{grads[0][1].name}_reduced")
         out, start = {}, 0
         for fqn, ph in grads:

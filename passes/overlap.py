@@ -11,13 +11,14 @@ from torch.distributed.tensor import Replicate
 from fxpar.errors import PlanError
 from fxpar.ir import Program
 from fxpar.pipeline import Context
-from fxpar.split import splitter
+from fxpar.split import batch_ranks, splitter
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
 def overlap(prog: Program, ctx: Context) -> Program:
-    """Group the dp-all-reduced parameter gradients into buckets of about ``plan.bucket_mb`` MB.
+    """Group the parameter gradients all-reduced over the batch axes (dp, ep) into buckets of about
+    ``plan.bucket_mb`` MB.
 
     Requires: placements and the ``zero`` pass's notes (ZeRO shards reduce-scatter per parameter instead).
     Ensures: with ``plan.overlap``, ``notes["overlap"] = {"buckets": [[fqn, ...], ...], "bucket_bytes": B,
@@ -40,7 +41,7 @@ def overlap(prog: Program, ctx: Context) -> Program:
     mesh = prog.mesh
     bucket_bytes = int(plan.bucket_mb * 2**20)
     buckets: list[list[str]] = []
-    if mesh.axes.get("dp", 1) > 1:
+    if batch_ranks(mesh) > 1:
         buckets = _buckets(prog, bucket_bytes)
     single = prog.notes.get("stage") is None and (plan.microbatches or 1) == 1
     notes = {"buckets": buckets, "bucket_bytes": bucket_bytes, "in_backward": single}
@@ -48,7 +49,7 @@ def overlap(prog: Program, ctx: Context) -> Program:
 
 
 def _buckets(prog: Program, bucket_bytes: int) -> list[list[str]]:
-    dp_ax = prog.mesh.axis_index("dp")
+    dp_ax = prog.mesh.axis_index("dp" if prog.mesh.axes.get("dp", 1) > 1 else "ep")  # the outer batch axis
     zero = prog.notes.get("zero", {})
     split = splitter(prog)
     coord = prog.mesh.coord(0)

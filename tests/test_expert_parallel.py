@@ -102,7 +102,8 @@ def test_ledger_is_the_all_to_all_formula(axes: dict[str, int]) -> None:
 
 def test_gradients_reduce_over_the_batch_axes() -> None:
     """Non-expert gradients are all-reduced over dp and ep (both shard the batch); each rank's expert gradients
-    come back whole for its own experts from the all-to-alls and are all-reduced over dp only."""
+    come back whole for its own experts from the all-to-alls and are all-reduced over dp only. Both reductions are
+    bucketed and deferred to once per step, as dp's alone are."""
     pm = _compile({"dp": 2, "ep": 2})
     prog = pm._prog
     params = dict(prog.signature.params)
@@ -116,6 +117,7 @@ def test_gradients_reduce_over_the_batch_axes() -> None:
     other_bytes = sum(4 * torch.Size(s).numel() for f, s in shape_of.items() if f not in expert)
     assert sum(r.bytes for r in reduced if r.axis == "dp") == expert_bytes + other_bytes
     assert sum(r.bytes for r in reduced if r.axis == "ep") == other_bytes
+    assert [r.axis for r in reduced] == ["dp", "ep"]  # one bucket per axis (the model is far below bucket_mb)
 
 
 def test_rank_program_shows_the_route() -> None:
