@@ -30,6 +30,8 @@ CODE_WIDTH = 64
 def type_str(val: Any) -> str:
     if isinstance(val, torch.Tensor):
         return f"{_DTYPES.get(val.dtype, str(val.dtype))}[{','.join(map(str, val.shape))}]"
+    if isinstance(val, (tuple, list)) and val and all(type(v) is int for v in val):
+        return f"int[{len(val)}]"  # a list of ints known at run time (all-to-all split sizes)
     if isinstance(val, (tuple, list)):
         return "(" + ", ".join(type_str(v) for v in val) + ")"
     return ""

@@ -7,7 +7,8 @@ example compares outputs, gradients and parameters after 2 AdamW steps on every 
 the schedule, the microbatch count, a pp=2 mesh (alone, with dp=2 or with tp=2) and (with dp) a ZeRO level, and
 compare ``pm.step``'s loss, gradients and parameters instead of outputs; ZeRO examples draw zero 1 or 2 on dp
 meshes (with tp too) and one or two microbatches; context examples draw a cp mesh (cp=2, cp=4, with dp=2 or
-tp=2), a sequence of 2 * cp * k tokens, ZeRO and microbatches. The seed is printed
+tp=2), a sequence of 2 * cp * k tokens, ZeRO and microbatches; expert examples draw HF Mixtral's experts,
+top-k and activation on an ep mesh (ep=2, ep=4, dp x ep in either order, ep x tp) with microbatches. The seed is printed
 in the session summary (``tests/conftest.py``); hypothesis shrinks a failure to a minimal case and prints
 it with a ``@reproduce_failure`` blob.
 """
@@ -21,7 +22,7 @@ from conftest import PROPERTY_EXAMPLES, PROPERTY_SEED
 from hypothesis import given, seed, settings
 
 from fxpar.testing import assert_equivalent
-from fxpar.testing.strategies import ModelSpec, cases, context_cases, pipeline_cases, zero_cases
+from fxpar.testing.strategies import ModelSpec, cases, context_cases, expert_cases, pipeline_cases, zero_cases
 
 SCALE = float(os.environ.get("FXPAR_PROPERTY_SCALE", "1"))  # e.g. 5 for a long local run
 MLP_EXAMPLES = int(140 * SCALE)
@@ -29,6 +30,7 @@ TRANSFORMER_EXAMPLES = int(60 * SCALE)
 PIPELINE_EXAMPLES = int(12 * SCALE)
 ZERO_EXAMPLES = int(10 * SCALE)
 CONTEXT_EXAMPLES = int(8 * SCALE)
+EXPERT_EXAMPLES = int(6 * SCALE)
 
 
 def _check(family: str, case: tuple[ModelSpec, dict[str, int], dict[str, str] | None, int]) -> None:
@@ -78,3 +80,13 @@ def test_zero_matches_single_device(case: tuple[ModelSpec, dict[str, int], objec
 def test_context_parallel_matches_single_device(case: tuple[ModelSpec, dict[str, int], object, int]) -> None:
     """cp (alone, cp=4, x dp=2 or x tp=2) on decoders with drawn widths, sequence lengths, ZeRO and microbatches."""
     _check("context", case)
+
+
+@pytest.mark.timeout(1200)
+@seed(PROPERTY_SEED)
+@settings(max_examples=EXPERT_EXAMPLES)
+@given(expert_cases())
+def test_expert_parallel_matches_single_device(case: tuple[ModelSpec, dict[str, int], object, int]) -> None:
+    """ep (alone, ep=4, with dp=2 in either mesh order, or with tp=2) on HF Mixtral with drawn experts and top-k."""
+    pytest.importorskip("transformers")
+    _check("expert", case)

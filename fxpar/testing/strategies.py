@@ -275,3 +275,57 @@ def context_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], Any
     batch = mesh.get("dp", 1) * m * draw(st.sampled_from([1, 2]))
     zero = draw(st.sampled_from([0, 1, 3])) if "dp" in mesh else 0
     return spec, mesh, fxpar.Plan(tp=tp or {}, microbatches=m, zero=zero), batch
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A tiny Hugging Face ``MixtralForCausalLM`` (needs ``transformers``): ``experts`` experts of top-``top_k``
+    routing, the experts' activation ``act``."""
+
+    layers: int = 1
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 4
+    experts: int = 2
+    top_k: int = 1
+    intermediate: int = 8
+    vocab: int = 32
+    act: str = "silu"
+    seq: int = 8
+
+    def __call__(self) -> torch.nn.Module:
+        import transformers
+
+        config = transformers.MixtralConfig(
+            vocab_size=self.vocab, hidden_size=self.heads * self.head_dim, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim, num_local_experts=self.experts, num_experts_per_tok=self.top_k,
+            hidden_act=self.act, max_position_embeddings=self.seq, use_cache=False, tie_word_embeddings=False)
+        config._attn_implementation = "sdpa"
+        return transformers.MixtralForCausalLM(config)
+
+    def inputs(self, batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randint(0, self.vocab, (batch, self.seq), generator=g),)
+
+
+EXPERT_MESHES = ({"ep": 2}, {"ep": 4}, {"dp": 2, "ep": 2}, {"ep": 2, "dp": 2}, {"ep": 2, "tp": 2})
+
+
+@st.composite
+def expert_cases(draw: st.DrawFn) -> tuple[MoESpec, dict[str, int], Any, int]:
+    """Expert parallel: HF Mixtral with ``ep * {1, 2}`` experts, top-1 to top-3 routing, silu or gelu experts, on ep
+    alone, ep=4, dp x ep in either mesh order, or ep=2 x tp=2 with HF's tp plan; one or two microbatches and a batch
+    of ``dp * ep * m * {1, 2}``; (spec, mesh, ``fxpar.Plan``, batch)."""
+    import fxpar
+
+    mesh = draw(st.sampled_from(EXPERT_MESHES))
+    experts = mesh["ep"] * draw(st.sampled_from([1, 2]))
+    kv_heads = draw(st.sampled_from([2, 4] if "tp" in mesh else [1, 2, 4]))
+    spec = MoESpec(layers=draw(st.sampled_from([1, 2])), kv_heads=kv_heads, head_dim=draw(st.sampled_from([2, 4])),
+                   experts=experts, top_k=draw(st.integers(1, min(3, experts))),
+                   intermediate=draw(st.sampled_from([8, 12])), act=draw(st.sampled_from(["silu", "gelu"])),
+                   seq=draw(st.sampled_from([4, 8])))
+    m = draw(st.sampled_from([1, 2]))
+    batch = mesh.get("dp", 1) * mesh["ep"] * m * draw(st.sampled_from([1, 2]))
+    return spec, mesh, fxpar.Plan(tp="hf" if "tp" in mesh else {}, microbatches=m), batch
