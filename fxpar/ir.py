@@ -8,6 +8,8 @@ each pass stays printable and diffable without copying a large graph.
 from __future__ import annotations
 
 import dataclasses
+import keyword
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,3 +129,10 @@ def batch_placements(val: torch.Tensor, mesh: Mesh, batch: int | None = None, se
         return Replicate()
 
     return tuple(placed(a, n) for a, n in mesh.axes.items())
+
+
+def py_name(fqn: str) -> str:
+    """A Python identifier for a parameter path: ``layers.0.up.weight`` -> ``layers_0_up_weight``;
+    ``nn.Sequential``'s ``0.weight`` -> ``p_0_weight``."""
+    name = re.sub(r"\W", "_", fqn)
+    return name if name.isidentifier() and not keyword.iskeyword(name) else f"p_{name}"

@@ -9,10 +9,8 @@ a forward graph and a backward graph. Collectives name their group symbolically
 
 from __future__ import annotations
 
-import keyword
 import math
 import operator
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,12 +20,14 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Replicate, Shard
 
-from fxpar.ir import Placements, Program
+from fxpar.ir import Placements, Program, py_name
+from fxpar.lower_context import CAUSAL_ATTENTION, ContextMask
 from fxpar.lower_experts import EXPERT_AXIS, ExpertLowering
+from fxpar.lower_grads import StepCollectives
 from fxpar.overlap import inline_reduction, overlap
 from fxpar.passes.insert_collectives import Step, consumed_tensors
 from fxpar.rules.experts import EXPERT_OPS
-from fxpar.split import BATCH_AXES, BATCH_AXIS, CONTEXT_AXIS, dp_share, splitter
+from fxpar.split import BATCH_AXIS, dp_share, splitter
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -42,11 +42,6 @@ ARANGES = {aten.arange.default: 0, aten.arange.start: 1, aten.arange.start_step:
 SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 VIEWS = {aten.view.default, aten._unsafe_view.default}
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
-SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
-CAUSAL_ATTENTION = {  # kernel -> index of its is_causal argument
-    aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7,
-}
 
 
 @dataclass(frozen=True)
@@ -94,13 +89,6 @@ def group_name(axis: str, ranks: list[int] | tuple[int, ...]) -> str:
     return f"{axis}[{','.join(map(str, ranks))}]"
 
 
-def py_name(fqn: str) -> str:
-    """A Python identifier for a parameter path: ``layers.0.up.weight`` -> ``layers_0_up_weight``;
-    ``nn.Sequential``'s ``0.weight`` -> ``p_0_weight``."""
-    name = re.sub(r"\W", "_", fqn)
-    return name if name.isidentifier() and not keyword.iskeyword(name) else f"p_{name}"
-
-
 class _LazyEnv(dict):
     """Local values by global node name. A ZeRO-3 parameter's gathered value is registered in ``lazy``
     and emitted where the walk first asks for it, so each all-gather sits right before its first use."""
@@ -116,7 +104,7 @@ class _LazyEnv(dict):
         return value
 
 
-class _Lowerer:
+class _Lowerer(StepCollectives, ContextMask):
     def __init__(self, prog: Program, rank: int) -> None:
         self.prog, self.rank, self.mesh = prog, rank, prog.mesh
         self.coord = self.mesh.coord(rank)
@@ -353,36 +341,6 @@ class _Lowerer:
             y = self.emit(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, module=module)
         return y
 
-    def _zero_params(self) -> list[tuple[str, str]]:
-        """(fqn, graph name) of each dp-sharded parameter, once per fqn (a tied weight can appear twice)."""
-        first: dict[str, str] = {}
-        for fqn, name in self.prog.signature.params:
-            if fqn in self.zero:
-                first.setdefault(fqn, name)
-        return list(first.items())
-
-    def gather_params_graph(self) -> fx.Graph | None:
-        """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters (fqn order)."""
-        if not self.zero or self.zero3:
-            return None
-        main, ledger, self.graph, self.phase = self.graph, self.ledger, fx.Graph(), "fwd"
-        self.ledger = []
-        dp = self.mesh.axes["dp"]
-        results = []
-        for fqn, name in self._zero_params():
-            d = self.zero[fqn]
-            val = self.prog.node(name).meta["val"]
-            shape = self.split.local_shape(val.shape, self.prog.placements[name], self.coord)
-            shape[d] //= dp
-            ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
-            with self.fake:
-                ph.meta["val"] = torch.empty(shape, dtype=val.dtype)
-            results.append(self.gather(ph, d, dp, self.group("dp"), "dp", None, fqn, contiguous=True))
-        self.graph.output(tuple(results))
-        graph, self.graph = self.graph, main
-        self.gather_rows, self.ledger = self.ledger, ledger
-        return graph
-
     # -- the walk ---------------------------------------------------------------------------
     def run(self) -> fx.Graph:
         plan = self.prog.notes["redistribute"]
@@ -493,41 +451,6 @@ class _Lowerer:
         self.env[node.name] = self.emit(target, args, kwargs, placements=placements, module=module, name=node.name)
         self.recomputing = False
 
-    def causal_on_context(self, node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A causal attention kernel whose queries are this rank's cp pieces of the sequence: ``is_causal`` masks
-        as if the queries were positions ``0..len-1``, so it is replaced by an explicit mask of their positions."""
-        flag = CAUSAL_ATTENTION[node.target]
-        if CONTEXT_AXIS not in self.mesh.names or len(args) <= flag or args[flag] is not True:
-            return args, kwargs
-        ax = self.mesh.axis_index(CONTEXT_AXIS)
-        q = 1 if node.target in SDPA_BACKWARD else 0
-        q_placement = self.prog.arg_placements[node.name][q][ax]
-        if q_placement != Shard(2):  # queries whole, or sharded on batch or heads: is_causal holds as it is
-            return args, kwargs
-        seq = node.args[q].meta["val"].shape[q_placement.dim]
-        keys = node.args[q + 1].meta["val"].shape[q_placement.dim]
-        assert "attn_mask" not in kwargs and keys == seq, "a causal kernel over the whole sequence, without a mask"
-        name = "cp_causal_mask"
-        if name not in self.env:
-            self.env[name] = self.causal_mask(seq, ax, node.args[q].meta["val"])
-        return (*args[:flag], False, *args[flag + 1:]), {**kwargs, "attn_mask": self.env[name]}
-
-    def causal_mask(self, seq: int, ax: int, like: torch.Tensor) -> fx.Node:
-        """``[local, seq]`` additive mask: 0 where this rank's query position may see a key position, else -inf."""
-        positions = self.split.indices(seq, ax, self.coord[ax])
-        recomputing, self.recomputing = self.recomputing, True  # the backward rebuilds it rather than saving it
-        half = len(positions) // 2  # two chunks of consecutive positions (fxpar.split)
-        ints = {"dtype": torch.int64, "device": like.device}
-        pieces = [self.emit(aten.arange.start, (p[0], p[-1] + 1), ints) for p in (positions[:half], positions[half:])]
-        rows = self.emit(aten.unsqueeze.default, (self.emit(aten.cat.default, (pieces,)), 1))
-        cols = self.emit(aten.unsqueeze.default, (self.emit(aten.arange.default, (seq,), ints), 0))
-        hidden = self.emit(aten.lt.Tensor, (rows, cols))  # a key after the query
-        zeros = self.emit(aten.zeros.default, ([len(positions), seq],), {"dtype": like.dtype, "device": like.device})
-        mask = self.emit(aten.masked_fill.Scalar, (zeros, hidden, float("-inf")), name="cp_causal_mask",
-                         placements=tuple(Replicate() for _ in self.mesh.names))
-        self.recomputing = recomputing
-        return mask
-
     def is_own_shard(self, producer: str, dst: Placements, steps: tuple[Step, ...]) -> bool:
         """Whether ``producer`` is a ZeRO-3 parameter asked for as exactly the dp shard it is stored as."""
         if producer not in self.shards:
@@ -616,79 +539,6 @@ class _Lowerer:
                 outs.append(self.env[arg.name])
         self.graph.output(tuple(outs))
 
-    def defer_dp_reduction(self, pos: int, producer: str, dst: Placements, steps: tuple[Step, ...]
-                           ) -> tuple[Placements, tuple[Step, ...]]:
-        """Keep a parameter gradient partial over the batch axes (dp, and ep for dense parameters): it is summed
-        over microbatches, then reduced once per step.
-
-        Partial sums commute with the other axes' steps, so deferring the batch all-reduces is exact.
-        """
-        batch = [st for st in steps if st.axis in BATCH_AXES and st.op == "all_reduce"]
-        if not batch:
-            return dst, steps
-        placed = list(dst)
-        for st in batch:
-            placed[self.mesh.axis_index(st.axis)] = st.src
-        self.deferred.append((pos, self.grad_fqn[pos], self.prog.node(producer)))
-        self.deferred_axes[self.grad_fqn[pos]] = tuple(st.axis for st in batch)
-        return tuple(placed), tuple(st for st in steps if st not in batch)
-
-    def reduce_grads_graph(self, backward: fx.GraphModule) -> fx.Graph | None:
-        """``reduce_grads(g...)``: the deferred dp all-reduces of accumulated gradients, in backward output order."""
-        if not self.deferred:
-            return None
-        main, self.graph, self.phase = self.graph, fx.Graph(), "bwd"
-        outs = backward.graph.output_node().args[0]
-        num_outputs = self.prog.signature.num_outputs
-        placeholders = {}
-        for pos, fqn, _ in self.deferred:
-            placeholders[fqn] = ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
-            ph.meta.update(outs[pos - num_outputs].meta)
-        results: dict[str, fx.Node] = dict(placeholders)
-        for axis in (a for a in self.mesh.names if a in BATCH_AXES):  # dp, then ep: each sums its own partial
-            reduced = {fqn: results[fqn] for fqn in placeholders if axis in self.deferred_axes[fqn]}
-            for bucket in self.buckets(reduced):
-                if bucket[0] in self.zero:  # ZeRO: each rank keeps the reduced shard its parameter shard needs
-                    results[bucket[0]] = self.scatter(results[bucket[0]], self.zero[bucket[0]],
-                                                      self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
-                                                      contiguous=True, zero_shard=True)
-                else:
-                    results.update(self.all_reduce_bucket([(fqn, results[fqn]) for fqn in bucket], axis))
-        self.graph.output(tuple(results[fqn] for _, fqn, _ in self.deferred))
-        graph, self.graph = self.graph, main
-        return graph
-
-    def buckets(self, placeholders: dict[str, fx.Node]) -> list[list[str]]:
-        """The gradients this graph reduces, one collective per list: a ZeRO shard's reduce-scatter alone, then
-        the overlap pass's buckets of all-reduced ones (without it, one all-reduce per gradient, in order)."""
-        planned = self.prog.notes.get("overlap", {}).get("buckets")
-        if planned is None:
-            return [[fqn] for fqn in placeholders]
-        return [[fqn] for fqn in placeholders if fqn in self.zero] + [
-            kept for bucket in planned if (kept := [fqn for fqn in bucket if fqn in placeholders])]
-
-    def all_reduce_bucket(self, grads: list[tuple[str, fx.Node]], axis: str = BATCH_AXIS) -> dict[str, fx.Node]:
-        """One all-reduce over ``axis`` of the gradients ``grads`` (flattened into one buffer when more than one)."""
-        if len(grads) == 1:
-            fqn, ph = grads[0]
-            y = self.emit(c10d.all_reduce.default, (ph, "sum", self.group(axis)), module=fqn,
-                          name=f"{ph.name}_allreduce")
-            self.record("all_reduce", axis, ph.meta["val"], y)
-            return {fqn: self.emit(c10d.wait_tensor.default, (y,), module=fqn, name=f"{ph.name}_reduced")}
-        module = f"bucket of {len(grads)}: {grads[0][0]} .. {grads[-1][0]}"
-        flat = [self.emit(aten.reshape.default, (ph, [-1]), module=fqn) for fqn, ph in grads]
-        buf = self.emit(aten.cat.default, (flat,), module=module)
-        y = self.emit(c10d.all_reduce.default, (buf, "sum", self.group(axis)), module=module,
-                      name=f"bucket_{grads[0][1].name}_allreduce")
-        self.record("all_reduce", axis, buf.meta["val"], y)
-        reduced = self.emit(c10d.wait_tensor.default, (y,), module=module, name=f"bucket_{grads[0][1].name}_reduced")
-        out, start = {}, 0
-        for fqn, ph in grads:
-            n = ph.meta["val"].numel()
-            piece = self.emit(aten.slice.Tensor, (reduced, 0, start, start + n), module=fqn)
-            out[fqn] = self.emit(aten.view.default, (piece, list(ph.meta["val"].shape)), module=fqn)
-            start += n
-        return out
 
 
 def stride_order(t: torch.Tensor) -> list[int]:

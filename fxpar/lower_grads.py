@@ -1,0 +1,126 @@
+"""Lowering's once-per-step collectives of parameters and gradients (a mixin of ``fxpar.lower._Lowerer``).
+
+``gather_params``: ZeRO-1/2's all-gather of the dp-sharded parameters before a step. ``reduce_grads``: the batch
+axes' gradient reductions (dp, and ep for dense parameters) deferred out of the backward so that microbatches'
+gradients are summed first, then all-reduced in the overlap pass's buckets (or reduce-scattered under ZeRO).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxpar.ir import Placements, py_name
+from fxpar.passes.insert_collectives import Step
+from fxpar.split import BATCH_AXES, BATCH_AXIS
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+class StepCollectives:
+    """The methods ``_Lowerer`` uses for ``gather_params`` and ``reduce_grads`` (state lives on the lowerer)."""
+
+    def _zero_params(self) -> list[tuple[str, str]]:
+        """(fqn, graph name) of each dp-sharded parameter, once per fqn (a tied weight can appear twice)."""
+        first: dict[str, str] = {}
+        for fqn, name in self.prog.signature.params:
+            if fqn in self.zero:
+                first.setdefault(fqn, name)
+        return list(first.items())
+
+    def gather_params_graph(self) -> fx.Graph | None:
+        """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters (fqn order)."""
+        if not self.zero or self.zero3:
+            return None
+        main, ledger, self.graph, self.phase = self.graph, self.ledger, fx.Graph(), "fwd"
+        self.ledger = []
+        dp = self.mesh.axes["dp"]
+        results = []
+        for fqn, name in self._zero_params():
+            d = self.zero[fqn]
+            val = self.prog.node(name).meta["val"]
+            shape = self.split.local_shape(val.shape, self.prog.placements[name], self.coord)
+            shape[d] //= dp
+            ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
+            with self.fake:
+                ph.meta["val"] = torch.empty(shape, dtype=val.dtype)
+            results.append(self.gather(ph, d, dp, self.group("dp"), "dp", None, fqn, contiguous=True))
+        self.graph.output(tuple(results))
+        graph, self.graph = self.graph, main
+        self.gather_rows, self.ledger = self.ledger, ledger
+        return graph
+
+    def defer_dp_reduction(self, pos: int, producer: str, dst: Placements, steps: tuple[Step, ...]
+                           ) -> tuple[Placements, tuple[Step, ...]]:
+        """Keep a parameter gradient partial over the batch axes (dp, and ep for dense parameters): it is summed
+        over microbatches, then reduced once per step.
+
+        Partial sums commute with the other axes' steps, so deferring the batch all-reduces is exact.
+        """
+        batch = [st for st in steps if st.axis in BATCH_AXES and st.op == "all_reduce"]
+        if not batch:
+            return dst, steps
+        placed = list(dst)
+        for st in batch:
+            placed[self.mesh.axis_index(st.axis)] = st.src
+        self.deferred.append((pos, self.grad_fqn[pos], self.prog.node(producer)))
+        self.deferred_axes[self.grad_fqn[pos]] = tuple(st.axis for st in batch)
+        return tuple(placed), tuple(st for st in steps if st not in batch)
+
+    def reduce_grads_graph(self, backward: fx.GraphModule) -> fx.Graph | None:
+        """``reduce_grads(g...)``: the deferred dp all-reduces of accumulated gradients, in backward output order."""
+        if not self.deferred:
+            return None
+        main, self.graph, self.phase = self.graph, fx.Graph(), "bwd"
+        outs = backward.graph.output_node().args[0]
+        num_outputs = self.prog.signature.num_outputs
+        placeholders = {}
+        for pos, fqn, _ in self.deferred:
+            placeholders[fqn] = ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
+            ph.meta.update(outs[pos - num_outputs].meta)
+        results: dict[str, fx.Node] = dict(placeholders)
+        for axis in (a for a in self.mesh.names if a in BATCH_AXES):  # dp, then ep: each sums its own partial
+            reduced = {fqn: results[fqn] for fqn in placeholders if axis in self.deferred_axes[fqn]}
+            for bucket in self.buckets(reduced):
+                if bucket[0] in self.zero:  # ZeRO: each rank keeps the reduced shard its parameter shard needs
+                    results[bucket[0]] = self.scatter(results[bucket[0]], self.zero[bucket[0]],
+                                                      self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
+                                                      contiguous=True, zero_shard=True)
+                else:
+                    results.update(self.all_reduce_bucket([(fqn, results[fqn]) for fqn in bucket], axis))
+        self.graph.output(tuple(results[fqn] for _, fqn, _ in self.deferred))
+        graph, self.graph = self.graph, main
+        return graph
+
+    def buckets(self, placeholders: dict[str, fx.Node]) -> list[list[str]]:
+        """The gradients this graph reduces, one collective per list: a ZeRO shard's reduce-scatter alone, then
+        the overlap pass's buckets of all-reduced ones (without it, one all-reduce per gradient, in order)."""
+        planned = self.prog.notes.get("overlap", {}).get("buckets")
+        if planned is None:
+            return [[fqn] for fqn in placeholders]
+        return [[fqn] for fqn in placeholders if fqn in self.zero] + [
+            kept for bucket in planned if (kept := [fqn for fqn in bucket if fqn in placeholders])]
+
+    def all_reduce_bucket(self, grads: list[tuple[str, fx.Node]], axis: str = BATCH_AXIS) -> dict[str, fx.Node]:
+        """One all-reduce over ``axis`` of the gradients ``grads`` (flattened into one buffer when more than one)."""
+        if len(grads) == 1:
+            fqn, ph = grads[0]
+            y = self.emit(c10d.all_reduce.default, (ph, "sum", self.group(axis)), module=fqn,
+                          name=f"{ph.name}_allreduce")
+            self.record("all_reduce", axis, ph.meta["val"], y)
+            return {fqn: self.emit(c10d.wait_tensor.default, (y,), module=fqn, name=f"{ph.name}_reduced")}
+        module = f"bucket of {len(grads)}: {grads[0][0]} .. {grads[-1][0]}"
+        flat = [self.emit(aten.reshape.default, (ph, [-1]), module=fqn) for fqn, ph in grads]
+        buf = self.emit(aten.cat.default, (flat,), module=module)
+        y = self.emit(c10d.all_reduce.default, (buf, "sum", self.group(axis)), module=module,
+                      name=f"bucket_{grads[0][1].name}_allreduce")
+        self.record("all_reduce", axis, buf.meta["val"], y)
+        reduced = self.emit(c10d.wait_tensor.default, (y,), module=module, name=f"bucket_{grads[0][1].name}_reduced")
+        out, start = {}, 0
+        for fqn, ph in grads:
+            n = ph.meta["val"].numel()
+            piece = self.emit(aten.slice.Tensor, (reduced, 0, start, start + n), module=fqn)
+            out[fqn] = self.emit(aten.view.default, (piece, list(ph.meta["val"].shape)), module=fqn)
+            start += n
+        return out
