@@ -51,13 +51,14 @@ class ExpertLowering:
         """The local value of ``node`` (the forward's output, or the backward's tuple of four gradients)."""
         if node.target is MOE_BACKWARD:
             return self.backward(node, args, module)
-        out, route = self.forward(node, args, module)
+        out, route = self.forward(args, module, node.name, self.lw.prog.placements.get(node.name))
         self.routes[_key(node.args[:5])] = route
         return out
 
-    def forward(self, node: fx.Node, args: tuple, module: str) -> tuple[fx.Node, Route]:
+    def forward(self, args: tuple, module: str, name: str | None = None, placements: Any = None
+                ) -> tuple[fx.Node, Route]:
         x, top_k_index, top_k_weights, gate_up, down, act = args
-        num_experts = node.args[3].meta["val"].shape[0]
+        num_experts = gate_up.meta["val"].shape[0] * self.n  # the rank holds E / ep of them
         k = top_k_index.meta["val"].shape[1]
         emit = self._emitter(module)
         route = emit(fxpar_ops.moe_route.default, (top_k_index, num_experts))
@@ -70,15 +71,15 @@ class ExpertLowering:
         rows_in = self.all_to_all(rows, recv, send, module)
         out_rows = emit(fxpar_ops.expert_mlp.default, (rows_in, recv_counts, gate_up, down, act))
         rows_back = self.all_to_all(out_rows, send, recv, module)
-        out = self.lw.emit(fxpar_ops.moe_combine.default, (rows_back, order, top_k_weights),
-                           placements=self.lw.prog.placements.get(node.name), module=module, name=node.name)
+        out = self.lw.emit(fxpar_ops.moe_combine.default, (rows_back, order, top_k_weights), placements=placements,
+                           module=module, name=name)
         return out, Route(order, recv_counts, counts, rows_in, rows_back)
 
     def backward(self, node: fx.Node, args: tuple, module: str) -> fx.Node:
         grad, x, top_k_index, top_k_weights, gate_up, down, act = args
         route = self.routes.get(_key(node.args[1:6]))
         if route is None:  # the forward is not in this program (never with capture's joint graph): route again
-            _, route = self.forward(node, args[1:], module)
+            _, route = self.forward(args[1:], module)
         k = top_k_index.meta["val"].shape[1]
         emit = self._emitter(module)
         pairs = x.meta["val"].shape[0] * k

@@ -139,6 +139,14 @@ def test_expert_parallel_matches_single_device(family: str, axes: dict[str, int]
     assert_equivalent(getattr(hf_families, family), axes, None, hf_families.inputs(family, seed=1))
 
 
+def test_recompute_reissues_the_route() -> None:
+    """Full recompute reruns each MoE layer's forward in the backward, all-to-alls included (3 more per layer)."""
+    rows = [r for r in _compile({"ep": 2}, plan=fxpar.Plan(recompute="full")).ledger(0) if r.op == "all_to_all"]
+    assert sum(r.phase == "bwd" for r in rows) == 5 * hf_families.LAYERS
+    assert_equivalent(hf_families.mixtral, {"dp": 2, "ep": 2}, fxpar.Plan(recompute="full"),
+                      hf_families.inputs("mixtral", seed=1))
+
+
 def test_dp_ep_tp_matches_single_device() -> None:
     """The 3D case: batch over dp x ep, experts over ep, attention heads over tp with HF's own plan."""
     assert_equivalent(hf_families.mixtral, {"dp": 2, "ep": 2, "tp": 2}, fxpar.Plan(tp="hf"),
