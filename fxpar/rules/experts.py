@@ -17,9 +17,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.moe import MOE_BACKWARD, MOE_FORWARD
 from fxpar.rules import Candidate
+from fxpar.split import BATCH_AXES
 
 EXPERT_OPS = (MOE_FORWARD, MOE_BACKWARD)
-BATCH_AXES = ("dp", "ep")
 
 
 def experts_candidate(node: fx.Node, axis: str) -> Candidate:
