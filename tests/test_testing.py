@@ -155,6 +155,41 @@ def test_pool_reports_errors_and_stays_usable() -> None:
         pool.close()
 
 
+def _exit_on_rank1() -> int:
+    if dist.get_rank() == 1:
+        os._exit(3)  # a native crash: no result, no exception
+    dist.all_reduce(torch.ones(1))
+    return dist.get_rank()
+
+
+def test_pool_worker_that_dies_fails_the_task_and_the_next_task_gets_fresh_workers() -> None:
+    pool = RankPool(collective_timeout=5)
+    try:
+        pids = {pid for _, pid, _ in pool.run(_whoami, 2)}
+        with pytest.raises(RankFailure, match="rank 1 exited with code 3"):
+            pool.run(_exit_on_rank1, 2, timeout=20)
+        assert pool.restarts == 1
+        again = pool.run(_whoami, 2)
+        assert [n for _, _, n in again] == [2, 2] and not pids & {pid for _, pid, _ in again}
+    finally:
+        pool.close()
+
+
+def test_pool_recovers_when_a_worker_died_after_it_looked_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a crashing worker may still look alive when the next task starts: sending to it breaks the pipe
+    pool = RankPool(collective_timeout=5)
+    try:
+        pool.run(_whoami, 2)
+        dead = pool._procs[1]
+        dead.kill()
+        dead.join()
+        monkeypatch.setattr(type(dead), "is_alive", lambda self: True)
+        again = pool.run(_whoami, 2)
+        assert [n for _, _, n in again] == [2, 2] and pool.restarts == 1
+    finally:
+        pool.close()
+
+
 def test_pool_hung_rank_fails_within_timeout_and_restarts() -> None:
     pool = RankPool(collective_timeout=3)
     try:

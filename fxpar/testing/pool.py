@@ -175,14 +175,11 @@ class RankPool:
         if any(not p.is_alive() for p in self._procs):
             self.close()
             self.restarts += 1
-        self._grow(world)
-        port = free_port()
-        conns = self._conns[:world]
-        for c in conns:
-            c.send((fn, args, world, port, self.collective_timeout))
+        conns = self._start(fn, args, world)
         self.tasks_run += 1
         results, failures = self._collect(conns, time.monotonic() + timeout)
-        if len(results) + len(failures) < world:  # some ranks are stuck: their state is unknown
+        died = any(f[0] == "died" for f in failures.values())
+        if died or len(results) + len(failures) < world:  # a worker is gone or stuck: start afresh next task
             self.close()
             self.restarts += 1
         elif self._threads > RECYCLE_THREADS:  # see RECYCLE_THREADS: fresh workers on the next task
@@ -191,6 +188,25 @@ class RankPool:
         if failures:
             raise self._failure(world, results, failures, timeout)
         return [results[r] for r in range(world)]
+
+    def _start(self, fn: Callable[..., Any], args: tuple, world: int) -> list[Connection]:
+        """Send the task to ranks ``0..world-1``. A worker that died after its last report (a native crash can
+        close its pipe only after ``run`` checked it) breaks the pipe: then the pool restarts and sends once more."""
+        for attempt in range(2):
+            self._grow(world)
+            port = free_port()
+            conns = self._conns[:world]
+            try:
+                for c in conns:
+                    c.send((fn, args, world, port, self.collective_timeout))
+                return conns
+            except (BrokenPipeError, ConnectionResetError, EOFError) as e:
+                self.close()
+                self.restarts += 1
+                if attempt:
+                    raise RankFailure(f"pool workers could not be reached after a restart: {e}",
+                                      list(range(world))) from e
+        raise AssertionError("unreachable")
 
     def _collect(self, conns: list[Connection], deadline: float) -> tuple[dict[int, Any], dict[int, tuple]]:
         """Results and failures by rank until all reported, the deadline, or a grace after a failure."""
@@ -208,8 +224,9 @@ class RankPool:
                 try:
                     msg = c.recv()
                 except (EOFError, OSError):
+                    self._procs[rank].join(_FAILURE_GRACE_S)  # its pipe closes before it is reaped
                     code = self._procs[rank].exitcode
-                    failures[rank] = ("died", f"rank {rank} exited with code {code} without a result", "", None)
+                    failures[rank] = ("died", f"exited with code {code} without a result", "", None)
                     continue
                 self._threads = max(self._threads, msg[-1])
                 if msg[0] == "ok":
