@@ -573,8 +573,9 @@ def lower(prog: Program, rank: int) -> RankProgram:
         if settings["in_backward"] and reduce_graph is not None:  # bucket all-reduces issued inside the backward
             inline_reduction(bwd.graph, reduce_graph, [pos for pos, _ in deferred])
             reduce_graph, deferred = None, []
-        overlap(fwd.graph)
-        overlap(bwd.graph)
+        one_per_group = prog.mesh.device == "cpu"  # gloo: see fxpar.overlap
+        overlap(fwd.graph, one_per_group)
+        overlap(bwd.graph, one_per_group)
         fwd.recompile()
         bwd.recompile()
     # the ledger in the order the graphs issue: forward, backward (recomputed collectives re-issued there), reduction

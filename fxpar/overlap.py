@@ -10,7 +10,13 @@ collectives on its own threads, NCCL on its own stream):
   holds) and never below its own wait;
 * a ZeRO-3 parameter all-gather (inputs: parameter shards only) of block ``b`` (``layers.<b>``) moves up
   no further than the first wait of block ``b - 1``'s gathers: the next block's parameters are prefetched
-  while the current block computes (FSDP's one-block prefetch), not every block's at once.
+  while the current block computes (FSDP's one-block prefetch), not every block's at once;
+* with ``one_per_group`` (gloo, i.e. CPU meshes) a group has at most one collective in flight: the wait of
+  its previous collective moves up to just before the next issue. Gloo in torch 2.13 corrupts the heap now
+  and then (glibc "malloc(): unaligned tcache chunk detected") when several functional collectives are in
+  flight on one process group; one at a time per group, with other groups in flight beside it, it does not
+  (``bench/gloo_in_flight.py``). Compute still runs while each collective is in flight. NCCL meshes keep
+  every collective in flight as long as it can be.
 
 Compute nodes keep their order and no value changes: results are bitwise those of the unreordered graph.
 """
@@ -30,9 +36,9 @@ CHEAP = {aten.movedim.int, aten.clone.default, aten.reshape.default, aten.view.d
          aten.transpose.int, aten.view.dtype}
 
 
-def overlap(graph: fx.Graph) -> int:
+def overlap(graph: fx.Graph, one_per_group: bool = False) -> int:
     """Reorder ``graph`` in place as the module docstring says; returns how many collectives end up with compute
-    between their issue and their wait.
+    between their issue and their wait. ``one_per_group``: at most one collective in flight per group (gloo).
 
     The cheap layout copies that only prepare a collective's input (``movedim``, ``clone``, a bucket's
     ``cat``) move up with it, and those that only unpack its result (``slice``, ``view``) move down with
@@ -62,6 +68,8 @@ def overlap(graph: fx.Graph) -> int:
             pos = min(pos, order.index(wait_of[c]))
         order.insert(pos, c)
         last_in_group[group] = c
+    if one_per_group:
+        _one_in_flight_per_group(order, wait_of)
     _apply(graph, order)
     return sum(1 for c, w in wait_of.items() if order.index(w) - order.index(c) > 1)
 
@@ -127,6 +135,29 @@ def _is_param_gather(c: fx.Node) -> bool:
         else:
             stack.extend(n.all_input_nodes)
     return True
+
+
+def _one_in_flight_per_group(order: list[fx.Node], wait_of: dict[fx.Node, fx.Node]) -> None:
+    """Move the wait of a group's in-flight collective up to just before the group's next issue."""
+    in_flight: dict[str, fx.Node] = {}
+    i = 0
+    while i < len(order):
+        n = order[i]
+        index = group_arg_index(n.target)
+        if index is not None:
+            group = n.args[index]
+            previous = in_flight.pop(group, None)
+            if previous is not None:  # its wait is still below n
+                order.remove(wait_of[previous])
+                order.insert(i, wait_of[previous])
+                i += 1
+            if n in wait_of:
+                in_flight[group] = n
+        elif n.target is c10d.wait_tensor.default:
+            for group, c in list(in_flight.items()):
+                if wait_of[c] is n:
+                    del in_flight[group]
+        i += 1
 
 
 def _first_use(order: list[fx.Node], node: fx.Node) -> int:

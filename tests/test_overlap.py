@@ -7,6 +7,7 @@ from functools import partial
 
 import pytest
 import torch
+from fxpar.backends.comm import group_arg_index
 
 import fxpar
 from fxpar.models.llama import llama, llama_plan
@@ -90,3 +91,45 @@ def test_overlap_keeps_every_groups_collective_order_and_prints_in_flight_work()
 def test_bad_bucket_size_is_a_clear_error() -> None:
     with pytest.raises(fxpar.PlanError, match="bucket_mb must be a positive number"):
         _compile({"dp": 2}, overlap=True, bucket_mb=0)
+
+
+def _most_in_flight_per_group(graph: torch.fx.Graph) -> int:
+    in_flight: dict[str, set[torch.fx.Node]] = {}
+    most = 0
+    for n in graph.nodes:
+        index = group_arg_index(n.target)
+        if index is not None:
+            in_flight.setdefault(n.args[index], set()).add(n)
+            most = max(most, len(in_flight[n.args[index]]))
+        elif n.target is c10d.wait_tensor.default:
+            for issued in in_flight.values():
+                issued.discard(n.args[0])
+    return most
+
+
+def test_gloo_keeps_one_collective_in_flight_per_group_with_compute_beside_it() -> None:
+    # gloo corrupts the heap with several collectives in flight on one group (bench/gloo_in_flight.py)
+    pm = fxpar.parallelize(llama(n_layers=3), fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), (TOKENS,),
+                           plan=fxpar.Plan(tp=llama_plan(), zero=3, overlap=True, bucket_mb=0.05))
+    rp = pm.rank_program(0)
+    assert max(_most_in_flight_per_group(g.graph) for g in (rp.forward, rp.backward)) == 1
+    fxpar.verify(pm)
+    nodes = list(rp.backward.graph.nodes)
+    waits = {n.args[0]: n for n in nodes if n.target is c10d.wait_tensor.default}
+    assert any(any(m.target is aten.mm.default for m in nodes[nodes.index(c) + 1: nodes.index(w)])
+               for c, w in waits.items())
+
+
+@pytest.mark.parametrize("one_per_group", [False, True])
+def test_overlap_keeps_one_in_flight_per_group_only_when_asked(one_per_group: bool) -> None:
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    issues = [g.call_function(c10d.all_reduce.default, (x, "sum", "dp")) for _ in range(3)]
+    mms = [g.call_function(aten.mm.default, (x, x)) for _ in range(3)]
+    waits = [g.call_function(c10d.wait_tensor.default, (c,)) for c in issues]
+    other = g.call_function(c10d.all_reduce.default, (x, "sum", "tp"))  # another group: not held back
+    g.output((*waits, *mms, g.call_function(c10d.wait_tensor.default, (other,))))
+    fxpar.overlap.overlap(g, one_per_group)
+    assert _most_in_flight_per_group(g) == (1 if one_per_group else 3)
+    nodes = list(g.nodes)
+    assert nodes.index(other) < nodes.index(mms[0])  # tp's collective is issued early either way
