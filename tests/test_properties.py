@@ -25,8 +25,8 @@ from fxpar.testing import assert_equivalent
 from fxpar.testing.strategies import ModelSpec, cases, context_cases, expert_cases, pipeline_cases, zero_cases
 
 SCALE = float(os.environ.get("FXPAR_PROPERTY_SCALE", "1"))  # e.g. 5 for a long local run
-MLP_EXAMPLES = int(140 * SCALE)
-TRANSFORMER_EXAMPLES = int(60 * SCALE)
+MLP_EXAMPLES = int(80 * SCALE)
+TRANSFORMER_EXAMPLES = int(50 * SCALE)
 PIPELINE_EXAMPLES = int(12 * SCALE)
 ZERO_EXAMPLES = int(10 * SCALE)
 CONTEXT_EXAMPLES = int(8 * SCALE)
