@@ -27,7 +27,7 @@ import fxpar
 from fxpar.testing import assert_equivalent
 
 pytest.importorskip("transformers")
-from fxpar.models import hf_families  # noqa: E402
+from fxpar.models import hf_families, hf_families_wide  # noqa: E402
 
 HF_PLAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "mixtral",
            "mixtral_batched", "qwen2_moe", "qwen3_moe", "olmoe", "olmo2", "granite", "starcoder2"}
@@ -152,3 +152,18 @@ def test_eager_attention_stays_head_sharded_at_tp(family: str) -> None:
     assert "fxpar.bmm4(" in text and "aten.bmm(" not in text
     gathers = [line for line in text.splitlines() if "_gathered = comm.wait(" in line]
     assert not [line for line in gathers if "self_attn" in line or "Attention" in line]
+
+
+# opt-in: 24 more families (FXPAR_HF_SWEEP=wide; about 5 minutes), all matched when last run (see README)
+WIDE = hf_families_wide.WIDE_FAMILIES if os.environ.get("FXPAR_HF_SWEEP") == "wide" else []
+
+
+@pytest.mark.parametrize("family", WIDE)
+def test_wide_sweep_matches_single_device_at_dp2_and_tp2(family: str) -> None:
+    build = hf_families_wide.BUILDERS[family]
+    torch.manual_seed(0)
+    assert_equivalent(build, {"dp": 2}, None, hf_families_wide.inputs(family, seed=1))
+    if getattr(build().config, "base_model_tp_plan", None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fxpar.FxparWarning)
+            assert_equivalent(build, {"tp": 2}, fxpar.Plan(tp="hf"), hf_families_wide.inputs(family, seed=1))
