@@ -14,9 +14,9 @@ collectives on its own threads, NCCL on its own stream):
 * with ``one_per_group`` (gloo, i.e. CPU meshes) a group has at most one collective in flight: the wait of
   its previous collective moves up to just before the next issue. Gloo in torch 2.13 corrupts the heap now
   and then (glibc "malloc(): unaligned tcache chunk detected") when several functional collectives are in
-  flight on one process group; one at a time per group, with other groups in flight beside it, it does not
-  (``bench/gloo_in_flight.py``). Compute still runs while each collective is in flight. NCCL meshes keep
-  every collective in flight as long as it can be.
+  flight on one process group; one at a time per group, with other groups in flight beside it, it does so
+  several times more rarely (``bench/gloo_in_flight.py``, bench/README.md section 12). Compute still runs
+  while each collective is in flight. NCCL meshes keep every collective in flight as long as it can be.
 
 Compute nodes keep their order and no value changes: results are bitwise those of the unreordered graph.
 """
