@@ -83,8 +83,11 @@ def budgeted(prog: Program, full: frozenset[str], budget: int) -> frozenset[str]
                         "recompute='full'")
     keep = set(full)
     by_name = {n.name: n for n in prog.graph.nodes}
+    position = {name: i for i, name in enumerate(by_name)}
+    # ties (equal FLOPs per byte) go in graph order: iterating the frozenset would follow string hashing,
+    # which differs between processes, and pick a different set each run
     worth = sorted((n for n in full if by_name[n].target in SAVED_BY_SELECTIVE),
-                   key=lambda n: -_flops(by_name[n]) / max(1, _out_bytes(by_name[n])))
+                   key=lambda n: (-_flops(by_name[n]) / max(1, _out_bytes(by_name[n])), position[n]))
     for name in worth:
         trial = keep - {name} - {u.name for u in by_name[name].users if u.target is operator.getitem}
         if joint_saved_bytes(joint, frozenset(trial), n_out) <= budget:
