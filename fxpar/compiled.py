@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from fxpar.backward_split import split_backward
 from fxpar.capture import capture, capture_joint, export_fake
 from fxpar.errors import PlanError
 from fxpar.ir import Program
+from fxpar.lower import RankProgram, lower
 from fxpar.mesh import Mesh
 from fxpar.pipeline import Context, run_pipeline
 from fxpar.plan import Plan, as_plan
@@ -55,6 +58,7 @@ class Compiled:
     input_keys: tuple[str, ...] = ()  # with keyword inputs: the tensor ones, in the order the program takes them
     timings: dict[str, float] = field(default_factory=dict)
     constants: dict[Any, Any] = field(default_factory=dict)  # non-tensor inputs (by name or position), baked in
+    _lowered: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # rank programs, built lazily
 
     @property
     def pp(self) -> int:
@@ -66,6 +70,32 @@ class Compiled:
 
     def pp_coord(self, rank: int) -> int:
         return self.mesh.coord(rank)[self.mesh.axis_index("pp")] if "pp" in self.mesh.axes else 0
+
+    def rank_program(self, rank: int, stage: int | None = None) -> RankProgram:
+        """The lowered program of ``rank`` for ``stage`` (default: its first stage), built once and cached."""
+        stage = self.stage_of_rank(rank)[0] if stage is None else stage
+        if stage not in self.stage_of_rank(rank):
+            raise ValueError(f"rank {rank} holds stages {self.stage_of_rank(rank)}, not stage {stage}")
+        key = (rank, stage)
+        if key not in self._lowered:
+            self._lowered[key] = lower(self.stages[stage], rank)
+        return self._lowered[key]
+
+    def stage_graph(self, rank: int, stage: int, name: str) -> fx.GraphModule:
+        """One graph of a rank's stage, by the name a step event runs it under (``fxpar.rank_step``):
+        ``forward``, ``backward``, its halves ``backward_b``/``backward_w`` (zero-bubble schedules),
+        ``reduce_grads`` or ``gather_params``."""
+        rp = self.rank_program(rank, stage)
+        if name in ("backward_b", "backward_w"):
+            key = (rank, stage, "split")
+            if key not in self._lowered:
+                sig = self.stages[stage].signature
+                self._lowered[key] = split_backward(rp.backward, {idx - sig.num_outputs for _, idx in sig.input_grads})
+            return self._lowered[key][0 if name == "backward_b" else 1]
+        graph = getattr(rp, name)
+        if graph is None:
+            raise ValueError(f"rank {rank} stage {stage} has no {name} graph")
+        return graph
 
 
 def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan: Any = None,

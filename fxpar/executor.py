@@ -1,13 +1,13 @@
-"""Run one training step of a rank: its schedule's actions over its stage programs.
+"""Run one training step of a rank: the events ``fxpar.rank_step`` lists for it, in order.
 
-``F``/``B``/``W`` run the stage's lowered forward, backward (or its input-gradient and
-weight-gradient halves) graphs on local tensors; ``SEND_*``/``RECV_*`` move stage boundary values
-between pipeline neighbours with ``torch.distributed`` point-to-point calls (sends are
-asynchronous and awaited at the end of the step; receives block, with the process group's
-timeout). Each message has its own tag, so transfers between the same pair of ranks never match
-the wrong receive. After the last action, parameter gradients (summed over microbatches, still
-partial over dp) are reduced once by each stage's ``reduce_grads`` graph; a weight held by two
-stages on different ranks (tied embeddings) has its gradient summed across them.
+``gather`` all-gathers ZeRO-1/2's parameter shards; ``F``/``B``/``W`` run the stage's lowered
+forward, backward (or its input-gradient and weight-gradient halves) graphs on local tensors;
+``SEND_*``/``RECV_*`` move stage boundary values with ``torch.distributed`` point-to-point calls, to
+the peer and with the tag the event names (sends are asynchronous and awaited at
+``wait_sends``; receives block, with the process group's timeout); ``reduce`` runs a stage's
+``reduce_grads`` graph (after every backward under ZeRO-2, else once on the summed gradients);
+``tied`` sums a weight's gradient over the pipeline ranks holding it; ``loss`` all-reduces the
+step's mean loss. ``fxpar.verify`` checks this same list, so the proof covers what runs.
 """
 
 from __future__ import annotations
@@ -23,40 +23,16 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar.backends.comm import bind_groups
-from fxpar.backward_split import split_backward
-from fxpar.ir import Program
-from fxpar.lower import RankProgram
-from fxpar.schedules import Action
+from fxpar.compiled import Compiled
+from fxpar.rank_step import StepEvent, boundary_meta
 from fxpar.split import BATCH_AXIS, batch_weight, splitter
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """One value a stage receives from the previous stage."""
-
-    value: str  # the value's name in the model's forward graph (as the sender's ``StageInfo.sent`` lists it)
-    placeholder: str  # the receiving program's input placeholder
-    shape: list[int]  # local shape on a rank
-    dtype: torch.dtype
-    has_grad: bool  # the receiver sends its gradient back
-
-
-def boundary_meta(prog: Program, coord: tuple[int, ...]) -> list[Boundary]:
-    """Every value ``prog``'s stage receives on the rank at mesh ``coord``, in order."""
-    stage = prog.notes["stage"]
-    with_grad = {name for name, _ in prog.signature.input_grads}
-    out = []
-    for value, name in zip(stage.received, prog.signature.inputs[: len(stage.received)], strict=True):
-        val = prog.node(name).meta["val"]
-        shape = splitter(prog).local_shape(val.shape, prog.placements[name], coord)  # as annotate placed it
-        out.append(Boundary(value, name, shape, val.dtype, name in with_grad))
-    return out
 
 
 class StageRunner:
     """One stage's bound graphs on this rank, and where its inputs and outputs go."""
 
-    def __init__(self, prog: Program, rp: RankProgram, names: dict[str, str], split_w: bool) -> None:
+    def __init__(self, compiled: Compiled, rank: int, stage: int, names: dict[str, str]) -> None:
+        prog, rp = compiled.stages[stage], compiled.rank_program(rank, stage)
         self.prog, self.rp = prog, rp
         self.forward = bind_groups(rp.forward, names)
         self.backward = bind_groups(rp.backward, names)
@@ -75,18 +51,24 @@ class StageRunner:
                          for v in (a.meta.get("val") if isinstance(a, fx.Node) else None
                                    for a in rp.forward.graph.output_node().args[0][: sig.num_outputs])]
         self.b = self.w = None
-        if split_w:
-            b, w = split_backward(rp.backward, set(self.input_grad_pos.values()))
-            self.b, self.w = bind_groups(b, names), bind_groups(w, names)
+        if compiled.schedule.has_w:
+            self.b = bind_groups(compiled.stage_graph(rank, stage, "backward_b"), names)
+            self.w = bind_groups(compiled.stage_graph(rank, stage, "backward_w"), names)
 
     @property
     def received(self) -> list[str]:
         return list(self.stage.received) if self.stage is not None else []
 
+    def reduce_into(self, results: list[Any]) -> None:
+        """Replace the deferred gradients in a backward's ``results`` by their reduction (``reduce_grads``)."""
+        positions = [pos for pos, _ in self.rp.deferred]
+        for pos, g in zip(positions, self.reduce(*[results[p] for p in positions]), strict=True):
+            results[pos] = g
+
 
 @dataclass
 class StepState:
-    """What one step keeps between actions, keyed by (stage, microbatch)."""
+    """What one step keeps between events, keyed by (stage, microbatch)."""
 
     inbox: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # received activations
     outputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # forward outputs to send
@@ -94,17 +76,23 @@ class StepState:
     tangents: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)  # grads of sent values
     input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # to send back
     stash: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # B -> W values
+    unreduced: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # ZeRO-2: a backward's raw grads
     losses: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = field(default_factory=dict)
     grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> summed local grad
+    totals: dict[str, torch.Tensor] | None = None  # fqn -> gradient summed over this rank's stages
     sends: list[Any] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    trace: list[dict[str, Any]] = field(default_factory=list)
 
 
 class StepExecutor:
-    """Runs a rank's action list. Built once per ParallelModule; ``run`` is one training step."""
+    """Runs a rank's step events. Built once per ParallelModule; ``run`` is one training step.
 
-    def __init__(self, pm: Any, runners: dict[int, StageRunner], actions: list[Action], loss_fn: Any) -> None:
-        self.pm, self.runners, self.actions, self.loss_fn = pm, runners, actions, loss_fn
+    ``events`` is the list it runs (``fxpar.rank_step``); ``fxpar.verify(pm, events=...)`` checks a list.
+    """
+
+    def __init__(self, pm: Any, runners: dict[int, StageRunner], events: list[StepEvent], loss_fn: Any) -> None:
+        self.pm, self.runners, self.events, self.loss_fn = pm, runners, events, loss_fn
         compiled = pm._compiled
         self.compiled, self.mesh, self.rank = compiled, compiled.mesh, pm._rank
         self.m = compiled.microbatches
@@ -112,48 +100,64 @@ class StepExecutor:
         self.n_stages = len(compiled.stages)
         coord = self.mesh.coord(self.rank)
         self.recv_meta = {s: boundary_meta(p, coord) for s, p in enumerate(compiled.stages) if s > 0}
+        self.tie_groups = dict(pm._tie_groups)
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, mb_inputs: list[list[Any]], mb_targets: list[Any], trace: str | None) -> torch.Tensor:
         st = StepState(grads={s: {} for s in self.runners})
         t0 = time.perf_counter()
         with torch.no_grad():
-            for action in self.actions:
+            for event in self.events:
                 start = time.perf_counter()
-                self.dispatch(action, st, mb_inputs, mb_targets)
+                self.dispatch(event, st, mb_inputs, mb_targets)
                 if trace is not None:
-                    st.events.append({"name": str(action), "ph": "X", "ts": (start - t0) * 1e6,
-                                      "dur": (time.perf_counter() - start) * 1e6, "pid": 0, "tid": self.rank,
-                                      "cat": action.kind})
+                    st.trace.append({"name": event.label, "ph": "X", "ts": (start - t0) * 1e6,
+                                     "dur": (time.perf_counter() - start) * 1e6, "pid": 0, "tid": self.rank,
+                                     "cat": event.kind})
+            for fqn, g in self.totals(st).items():
+                self.pm.add_local_grad(fqn, g)
+        if trace is not None:
+            self.write_trace(trace, st.trace)
+        assert st.loss is not None, "a step's events end with the loss"
+        return st.loss
+
+    def dispatch(self, e: StepEvent, st: StepState, mb_inputs: list[list[Any]], mb_targets: list[Any]) -> None:
+        if e.kind == "gather":
+            self.gather(e.stage)
+        elif e.kind == "F":
+            self.forward(e.stage, e.mb, st, mb_inputs[e.mb], mb_targets[e.mb])
+        elif e.kind == "B":
+            self.backward(e.stage, e.mb, st)
+        elif e.kind == "W":
+            self.weight_grads(e.stage, e.mb, st)
+        elif e.kind == "reduce":
+            self.reduce(e.stage, e.mb, st)
+        elif e.kind == "SEND_F":
+            self.send(st.outputs.pop((e.stage, e.mb)), e, st)
+        elif e.kind == "SEND_B":
+            self.send(st.input_grads.pop((e.stage, e.mb)), e, st)
+        elif e.kind == "RECV_F":
+            st.inbox[(e.stage + 1, e.mb)] = self.recv(e)
+        elif e.kind == "RECV_B":
+            meta = [b for b in self.recv_meta[e.stage] if b.has_grad]
+            st.tangents[(e.stage - 1, e.mb)] = dict(zip([b.value for b in meta], self.recv(e), strict=True))
+        elif e.kind == "wait_sends":
             for work in st.sends:
                 work.wait()
-            self.finish_grads(st)
-        loss = self.global_loss(st)
-        if trace is not None:
-            self.write_trace(trace, st.events)
-        return loss
-
-    def dispatch(self, a: Action, st: StepState, mb_inputs: list[list[Any]], mb_targets: list[Any]) -> None:
-        if a.kind == "F":
-            self.forward(a.stage, a.mb, st, mb_inputs[a.mb], mb_targets[a.mb])
-        elif a.kind == "B":
-            self.backward(a.stage, a.mb, st)
-        elif a.kind == "W":
-            self.weight_grads(a.stage, a.mb, st)
-        elif a.kind == "SEND_F":
-            self.send(st.outputs.pop((a.stage, a.mb)), a, st)
-        elif a.kind == "RECV_F":
-            meta = self.recv_meta[a.stage + 1]
-            st.inbox[(a.stage + 1, a.mb)] = self.recv([(b.shape, b.dtype) for b in meta], a)
-        elif a.kind == "SEND_B":
-            self.send(st.input_grads.pop((a.stage, a.mb)), a, st)
-        elif a.kind == "RECV_B":
-            meta = [b for b in self.recv_meta[a.stage] if b.has_grad]
-            grads = self.recv([(b.shape, b.dtype) for b in meta], a)
-            st.tangents[(a.stage - 1, a.mb)] = {b.value: g for b, g in zip(meta, grads, strict=True)}
+            st.sends.clear()
+        elif e.kind == "tied":
+            dist.all_reduce(self.totals(st)[e.fqn], group=self.tie_groups[e.fqn])
+        elif e.kind == "loss":
+            st.loss = self.global_loss(st)
+        else:
+            raise AssertionError(f"unknown step event {e.kind!r}")
 
     def params(self, runner: StageRunner) -> list[torch.Tensor]:
         return [self.pm.local_param(fqn) for fqn in runner.param_fqns]
+
+    def gather(self, s: int) -> None:
+        """ZeRO-1/2: this stage's parameters, all-gathered from their dp shards for the step."""
+        self.pm.gather_stage_params(self.runners[s])
 
     def forward(self, s: int, mb: int, st: StepState, inputs: list[Any], targets: Any) -> None:
         r = self.runners[s]
@@ -201,7 +205,7 @@ class StepExecutor:
             st.stash[(s, mb)] = [*tangents, *results[n_in:]]
         else:
             results = r.backward(*st.saved.pop((s, mb)), *tangents)
-            self.accumulate(r, s, results, st)
+            self.param_grads(r, s, mb, results, st)
             in_grads = {name: results[pos] for name, pos in r.input_grad_pos.items()}
         if s > 0:
             self.hand_back(s, mb, [in_grads[b.placeholder] for b in self.recv_meta[s] if b.has_grad], st)
@@ -211,7 +215,7 @@ class StepExecutor:
         stash = st.stash.pop((s, mb))
         n_t = len(r.tangent_outputs)
         results = r.w(*st.saved.pop((s, mb)), *stash[:n_t], *stash[n_t:])
-        self.accumulate(r, s, results, st)
+        self.param_grads(r, s, mb, results, st)
 
     def hand_back(self, s: int, mb: int, grads: list[torch.Tensor], st: StepState) -> None:
         if self.compiled.schedule.stage_rank(s - 1) == self.compiled.schedule.stage_rank(s):
@@ -220,61 +224,57 @@ class StepExecutor:
         else:
             st.input_grads[(s, mb)] = grads
 
-    def accumulate(self, r: StageRunner, s: int, results: Any, st: StepState) -> None:
-        """Add one microbatch's parameter gradients to the stage's sums. ZeRO-2 reduces them first (over dp,
-        into shards), so a whole gradient never outlives the backward that produced it."""
-        acc = st.grads[s]
+    def param_grads(self, r: StageRunner, s: int, mb: int, results: Any, st: StepState) -> None:
+        """A backward's parameter gradients: ZeRO-2 keeps them for this microbatch's ``reduce`` event (so a whole
+        gradient never outlives the backward that produced it); otherwise they are added to the stage's sums."""
         if self.reduce_each_microbatch and r.reduce is not None:
-            results = list(results)
-            positions = [pos for pos, _ in r.rp.deferred]
-            for pos, g in zip(positions, r.reduce(*[results[p] for p in positions]), strict=True):
-                results[pos] = g
+            st.unreduced[(s, mb)] = list(results)
+        else:
+            self.accumulate(r, s, results, st)
+
+    def accumulate(self, r: StageRunner, s: int, results: Any, st: StepState) -> None:
+        """Add one microbatch's parameter gradients to the stage's sums."""
+        acc = st.grads[s]
         for pos, fqn in r.grad_fqn.items():
             g = results[pos]
             if g is not None:
                 acc[fqn] = g.clone() if fqn not in acc else acc[fqn].add_(g)
 
+    def reduce(self, s: int, mb: int | None, st: StepState) -> None:
+        """Run the stage's ``reduce_grads``: on one microbatch's gradients (ZeRO-2), or on the step's sums."""
+        r = self.runners[s]
+        if mb is not None:
+            results = st.unreduced.pop((s, mb))
+            r.reduce_into(results)
+            self.accumulate(r, s, results, st)
+            return
+        acc = st.grads[s]
+        names = [fqn for _, fqn in r.rp.deferred]
+        acc.update(zip(names, r.reduce(*[acc[fqn] for fqn in names]), strict=True))
+
+    def totals(self, st: StepState) -> dict[str, torch.Tensor]:
+        """Each gradient summed over this rank's stages (once every reduction has run)."""
+        if st.totals is None:
+            st.totals = {}
+            for s in sorted(self.runners):
+                for fqn, g in st.grads[s].items():
+                    st.totals[fqn] = g if fqn not in st.totals else st.totals[fqn] + g
+        return st.totals
+
     # -- point-to-point --------------------------------------------------------------------------
-    def peer_rank(self, pp_peer: int) -> int:
-        coord = list(self.mesh.coord(self.rank))
-        coord[self.mesh.axis_index("pp")] = pp_peer
-        return self.mesh.rank_of(tuple(coord))
+    def send(self, tensors: list[torch.Tensor], e: StepEvent, st: StepState) -> None:
+        for t, c in zip(tensors, e.comms, strict=True):
+            st.sends.append(dist.isend(t.contiguous(), c.ranks[1], tag=c.tag))
 
-    def tag(self, a: Action, i: int) -> int:
-        direction = 0 if a.kind.endswith("_F") else 1
-        return ((a.stage * self.m + a.mb) * 2 + direction) * 64 + i
-
-    def send(self, tensors: list[torch.Tensor], a: Action, st: StepState) -> None:
-        dst = self.peer_rank(a.peer)
-        for i, t in enumerate(tensors):
-            st.sends.append(dist.isend(t.contiguous(), dst, tag=self.tag(a, i)))
-
-    def recv(self, meta: list[tuple[list[int], torch.dtype]], a: Action) -> list[torch.Tensor]:
-        src = self.peer_rank(a.peer)
+    def recv(self, e: StepEvent) -> list[torch.Tensor]:
         out = []
-        for i, (shape, dtype) in enumerate(meta):
-            buf = torch.empty(shape, dtype=dtype)
-            dist.irecv(buf, src, tag=self.tag(a, i)).wait()
+        for c in e.comms:
+            buf = torch.empty(c.shape, dtype=c.dtype)
+            dist.irecv(buf, c.ranks[0], tag=c.tag).wait()
             out.append(buf)
         return out
 
     # -- end of step ---------------------------------------------------------------------------
-    def finish_grads(self, st: StepState) -> None:
-        """Reduce each stage's accumulated gradients over dp once, sum tied weights, write ``p.grad``."""
-        total: dict[str, torch.Tensor] = {}
-        for s in sorted(self.runners):
-            r, acc = self.runners[s], st.grads[s]
-            if r.reduce is not None and not self.reduce_each_microbatch:
-                names = [fqn for _, fqn in r.rp.deferred]
-                reduced = r.reduce(*[acc[fqn] for fqn in names])
-                acc.update(zip(names, reduced, strict=True))
-            for fqn, g in acc.items():
-                total[fqn] = g if fqn not in total else total[fqn] + g
-        for fqn, group in self.pm._tie_groups:
-            dist.all_reduce(total[fqn], group=group)
-        for fqn, g in total.items():
-            self.pm.add_local_grad(fqn, g)
-
     def global_loss(self, st: StepState) -> torch.Tensor:
         """The mean loss over microbatches and dp ranks, on every rank (one world all-reduce of a scalar)."""
         value = torch.zeros((), dtype=torch.float64)

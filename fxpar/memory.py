@@ -28,10 +28,15 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
+
+from fxpar.rank_step import rank_step
+
+if TYPE_CHECKING:
+    from fxpar.compiled import Compiled
 
 aten = torch.ops.aten
 
@@ -72,9 +77,8 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def predict(pm: Any, rank: int) -> Memory:
+def predict(c: Compiled, rank: int) -> Memory:
     """``pm.memory(rank)``: the rank's predicted bytes (lowers the rank's programs if not yet built)."""
-    c = pm._compiled
     stages = c.stage_of_rank(rank)
     param_bytes: dict[str, int] = {}
     grad_bytes: dict[str, int] = {}
@@ -83,12 +87,12 @@ def predict(pm: Any, rank: int) -> Memory:
     saved: dict[int, int] = {}
     transient = 0
     for s in stages:
-        prog, rp = c.stages[s], pm.rank_program(rank, s)
+        prog, rp = c.stages[s], c.rank_program(rank, s)
         placeholders = [n for n in rp.forward.graph.nodes if n.op == "placeholder"]
         trainable = {fqn for fqn, _ in prog.signature.grads}
         for (fqn, _), node in zip(prog.signature.params, placeholders, strict=False):
-            full = nbytes(node) * (pm.mesh.axes["dp"] if node.meta.get("zero3_shard") else 1)  # ZeRO-3 takes shards
-            shard = full // pm.mesh.axes["dp"] if fqn in rp.zero else full
+            full = nbytes(node) * (c.mesh.axes["dp"] if node.meta.get("zero3_shard") else 1)  # ZeRO-3 takes shards
+            shard = full // c.mesh.axes["dp"] if fqn in rp.zero else full
             working_copy = full if fqn in rp.zero and c.plan.zero < 3 else 0  # ZeRO-3 gathers inside the graphs
             param_bytes[fqn] = shard + working_copy
             state_bytes[fqn] = 2 * shard
@@ -148,15 +152,14 @@ def largest_live_set(gm: fx.GraphModule) -> int:
     return peak
 
 
-def _activations_in_flight(c: Any, rank: int, saved: dict[int, int]) -> int:
-    """Peak saved bytes over the rank's compute actions: F adds its stage's set, the last backward frees it."""
-    schedule = c.schedule
-    release = "W" if schedule.has_w else "B"
+def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int]) -> int:
+    """Peak saved bytes over the rank's step events: F adds its stage's set, the last backward frees it."""
+    release = "W" if c.schedule.has_w else "B"
     live = peak = 0
-    for action in schedule.compute(c.pp_coord(rank)):
-        if action.kind == "F":
-            live += saved[action.stage]
-        elif action.kind == release:
-            live -= saved[action.stage]
+    for event in rank_step(c, rank):
+        if event.kind == "F":
+            live += saved[event.stage]
+        elif event.kind == release:
+            live -= saved[event.stage]
         peak = max(peak, live)
     return peak

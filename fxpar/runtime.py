@@ -20,11 +20,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
 from fxpar.executor import StageRunner, StepExecutor
 from fxpar.ir import Program
-from fxpar.lower import LedgerRow, RankProgram, lower
+from fxpar.lower import LedgerRow, RankProgram
 from fxpar.memory import Memory
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
+from fxpar.rank_step import StepEvent, rank_step, step_ledger, tie_holders, tie_ranks
 from fxpar.schedules import Schedule
 from fxpar.stages import node_cost
 
@@ -79,7 +80,6 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         self._compiled = compiled
         self._loss_fn = loss_fn
-        self._programs: dict[tuple[int, int], RankProgram] = {}
         self._runners: dict[int, StageRunner] = {}
         self._executor: StepExecutor | None = None
         self._rank = rank
@@ -114,13 +114,16 @@ class ParallelModule(torch.nn.Module):
 
     def rank_program(self, rank: int, stage: int | None = None) -> RankProgram:
         """The lowered program of ``rank`` for ``stage`` (default: its first stage), built once and cached."""
-        stage = self.stages_of(rank)[0] if stage is None else stage
-        if stage not in self.stages_of(rank):
-            raise ValueError(f"rank {rank} holds stages {self.stages_of(rank)}, not stage {stage}")
-        key = (rank, stage)
-        if key not in self._programs:
-            self._programs[key] = lower(self._compiled.stages[stage], rank)
-        return self._programs[key]
+        return self._compiled.rank_program(rank, stage)
+
+    def step_events(self, rank: int | None = None) -> list[StepEvent]:
+        """What ``rank`` (default: this one) does in one ``pm.step``, in order (``fxpar.rank_step``). On this
+        rank it is the very list the step executor runs."""
+        if rank is None or rank == self._rank:
+            if self._runners:
+                return self.step_executor().events
+            rank = 0 if rank is None else rank
+        return rank_step(self._compiled, rank)
 
     def program(self, rank: int = 0, verbosity: int = 1) -> str:
         """The rank's programs as readable, runnable Python: per stage it holds, forward, backward and reduce_grads."""
@@ -133,9 +136,7 @@ class ParallelModule(torch.nn.Module):
 
         With one stage and one microbatch this is exactly the program's collectives (``pm(x)`` then backward).
         """
-        from fxpar.verify import step_ledger
-
-        return step_ledger(self, rank)
+        return step_ledger(self.step_events(rank))
 
     def stage_costs(self) -> dict[tuple[str, int], float]:
         """Cost-model seconds per (action kind, stage) for ``pm.schedule.simulate(costs=...)``.
@@ -160,7 +161,7 @@ class ParallelModule(torch.nn.Module):
 
     def memory(self, rank: int = 0) -> Memory:
         """Predicted bytes per rank for one step: ``.params .grads .optimizer .activations .transient .peak``."""
-        return predict_memory(self, rank)
+        return predict_memory(self._compiled, rank)
 
     def ledger_table(self, rank: int = 0) -> str:
         from fxpar.printer import ledger_table
@@ -220,7 +221,7 @@ class ParallelModule(torch.nn.Module):
             self._stage_buffers[s] = [buffers[fqn].detach().to(device) for fqn, _ in prog.signature.buffers]
             rp = self.rank_program(self._rank, s)
             names = {sym: _group_name(dm, sym) for sym in rp.groups}
-            self._runners[s] = StageRunner(prog, rp, names, self._compiled.schedule.has_w)
+            self._runners[s] = StageRunner(self._compiled, self._rank, s, names)
         self._tie_groups = _tie_groups(self._compiled, self._rank)
 
     def local_param(self, fqn: str) -> torch.Tensor:
@@ -231,11 +232,15 @@ class ParallelModule(torch.nn.Module):
         return p.to_local() if isinstance(p, DTensor) else p
 
     def gather_params(self) -> None:
-        """ZeRO: all-gather every dp-sharded parameter this rank holds (its stages' ``gather_params`` graphs)."""
+        """ZeRO-1/2: all-gather every dp-sharded parameter this rank holds (its stages' ``gather_params`` graphs)."""
         for runner in self._runners.values():
-            if runner.gather is not None and not all(f in self._gathered for f in runner.zero_fqns):
-                shards = [self.get_parameter(f).to_local() for f in runner.zero_fqns]
-                self._gathered.update(zip(runner.zero_fqns, runner.gather(*shards), strict=True))
+            if runner.gather is not None:
+                self.gather_stage_params(runner)
+
+    def gather_stage_params(self, runner: StageRunner) -> None:
+        """ZeRO-1/2: run one stage's ``gather_params`` graph on this rank's shards; keep the working copies."""
+        shards = [self.get_parameter(f).to_local() for f in runner.zero_fqns]
+        self._gathered.update(zip(runner.zero_fqns, runner.gather(*shards), strict=True))
 
     def release_params(self) -> None:
         """Drop the gathered copies (after a step: the optimizer updates the shards)."""
@@ -282,25 +287,23 @@ class ParallelModule(torch.nn.Module):
         """
         c = self._compiled
         flat, targets = flat_user_inputs(c, args)
-        executor = self._executor_for_tests()
+        executor = self.step_executor()
         mb_inputs = split_microbatches(flat, c.microbatches)
         mb_targets = split_microbatches(targets, c.microbatches) if targets is not None else [None] * c.microbatches
-        with torch.no_grad():
-            self.gather_params()
         try:
             return executor.run(mb_inputs, mb_targets, trace)
         finally:
             self.release_params()
 
-    def _executor_for_tests(self) -> StepExecutor:
-        """The rank's step executor (built on first use; fault-injection tests wrap its ``dispatch``)."""
+    def step_executor(self) -> StepExecutor:
+        """The rank's step executor, built on first use: ``.events`` is what ``pm.step`` runs (fault-injection
+        tests wrap its ``dispatch``)."""
         self._check_runnable()
         if self._loss_fn is None:
             raise ValueError("pm.step needs a loss: pass loss_fn=... to fxpar.parallelize")
         if self._executor is None:
             c = self._compiled
-            self._executor = StepExecutor(self, self._runners, c.schedule.actions[c.pp_coord(self._rank)],
-                                          self._loss_fn)
+            self._executor = StepExecutor(self, self._runners, rank_step(c, self._rank), self._loss_fn)
         return self._executor
 
 
@@ -321,40 +324,13 @@ def _group_name(dm: DeviceMesh, symbolic: str) -> str:
     return dm.get_group(symbolic.split("[")[0]).group_name
 
 
-def tie_ranks(compiled: Compiled, rank: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(fqn, ranks) for each weight ``rank`` holds that stages on other pipeline ranks hold too (tied embeddings).
-
-    The gradient of such a weight is summed over those ranks (same coordinates on every other axis).
-    """
-    mesh = compiled.mesh
-    out = []
-    for fqn, pps in _tie_holders(compiled).items():
-        if compiled.pp_coord(rank) not in pps:
-            continue
-        coord = list(mesh.coord(rank))
-        ranks = []
-        for p in pps:
-            coord[mesh.axis_index("pp")] = p
-            ranks.append(mesh.rank_of(tuple(coord)))
-        out.append((fqn, tuple(ranks)))
-    return out
-
-
-def _tie_holders(compiled: Compiled) -> dict[str, list[int]]:
-    holders: dict[str, set[int]] = {}
-    for s, prog in enumerate(compiled.stages):
-        for fqn, _ in prog.signature.params:
-            holders.setdefault(fqn, set()).add(compiled.schedule.stage_rank(s))
-    return {fqn: sorted(pps) for fqn, pps in sorted(holders.items()) if len(pps) > 1}
-
-
 def _tie_groups(compiled: Compiled, rank: int) -> list[tuple[str, Any]]:
     """The process groups of ``tie_ranks``. Every rank creates every group (``new_group`` is collective),
     in one deterministic order."""
     mesh = compiled.mesh
     mine = dict(tie_ranks(compiled, rank))
     out = []
-    for fqn, pps in _tie_holders(compiled).items():
+    for fqn, pps in tie_holders(compiled).items():
         group_of_rank = None
         for r in range(mesh.size):
             if compiled.pp_coord(r) != pps[0]:

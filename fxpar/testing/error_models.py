@@ -97,7 +97,7 @@ def die_mid_schedule(dying_rank: int) -> str:
     plan = fxpar.Plan(stages=2, schedule="1f1b", microbatches=4)
     pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"pp": 2}), (tokens,), plan=plan, loss_fn=mean_square)
     if dist.get_rank() == dying_rank:  # die inside the schedule: right after this rank's first action
-        executor = pm._executor_for_tests()
+        executor = pm.step_executor()
         dispatch = executor.dispatch
 
         def dispatch_then_die(*args: object) -> None:
