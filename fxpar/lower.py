@@ -220,9 +220,8 @@ class _Lowerer(StepCollectives, ContextMask):
             return self.gather(x, step.src.dim, n, g, step.axis, after, module, total=like.shape[step.src.dim])
         if step.op == "reduce_scatter":
             return self.scatter(x, step.dst.dim, n, g, step.axis, after, module)
-        # all_to_all (shard dim i -> shard dim j), done as a gather then a local slice
-        full = self.gather(x, step.src.dim, n, g, step.axis, None, module, ledger_op="all_to_all",
-                           total=like.shape[step.src.dim])
+        # all_to_all (shard dim i -> shard dim j), done as a gather then a local slice: the ledger lists the gather
+        full = self.gather(x, step.src.dim, n, g, step.axis, None, module, total=like.shape[step.src.dim])
         return self.own_piece(full, step.dst.dim, step.axis, after, module)
 
     def own_piece(self, x: fx.Node, d: int, axis: str, after: Any, module: str) -> fx.Node:
@@ -305,7 +304,7 @@ class _Lowerer(StepCollectives, ContextMask):
         return self._moved_back(y, d, after, module, contiguous)
 
     def gather(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
-               ledger_op: str = "all_gather", contiguous: bool = False, total: int | None = None) -> fx.Node:
+               contiguous: bool = False, total: int | None = None) -> fx.Node:
         """All-gather ``x`` over ``axis`` along dim ``d``. When the pieces of ``total`` (the gathered size) differ
         in size, each is padded to the largest and the padding is cut out after."""
         sizes, _, ceil, tail_padded = self._pieces(total, axis) if total is not None else ([], [], 0, True)
@@ -322,7 +321,7 @@ class _Lowerer(StepCollectives, ContextMask):
         y = self.emit(c10d.wait_tensor.default, (c,), placements=after, module=module, name=f"{x.name}_gathered")
         if dtype in FLOAT8:
             y = self.emit(aten.view.dtype, (y, dtype), placements=after, module=module)
-        self.record(ledger_op, axis, y.meta["val"], c)
+        self.record("all_gather", axis, y.meta["val"], c)
         if total is not None and self.split.balanced(total, self.mesh.axis_index(axis)):
             y = self.balanced_order(y, n, module, to_ranks=False, after=after)
         if uneven and tail_padded:
