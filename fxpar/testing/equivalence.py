@@ -9,6 +9,10 @@ it compares, on this rank's own shard of each tensor (so a wrong rank is named a
 2. every parameter gradient,
 3. every parameter after the optimizer step.
 
+It also holds the ledger to what runs: every step is run under a ``CollectiveCounter``, and the
+collectives and transfers the rank issued (kind and dtype, in order) must be exactly
+``pm.ledger(rank)``'s (plus ``pm.step``'s loss all-reduce).
+
 Tolerances depend on the dtype (``fxpar.testing.tolerance``). A mismatch raises
 ``EquivalenceError`` naming the tensor (output path or parameter FQN), the rank, the max
 absolute and relative error, the first step where the program diverged, and how to replay.
@@ -34,6 +38,7 @@ from fxpar import serialize
 from fxpar.api import compile_program
 from fxpar.compiled import Compiled
 from fxpar.split import BATCH_AXES, Splitter, batch_ranks, batch_weight, chunk_sizes
+from fxpar.testing.collectives import LOSS_REPORT, CollectiveCounter, ledger_mismatch
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
 from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
 
@@ -78,6 +83,7 @@ class RankReport:
     worst_abs: float = 0.0
     compared: int = 0
     program: str = ""
+    ledger_errors: list[str] = field(default_factory=list)  # steps whose issued collectives differ from the ledger
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,10 @@ def assert_equivalent(model_fn: ModelFn, mesh_axes: dict[str, int], plan: Any, i
             e.original.args = (f"{e.original}\n(raised on every rank of the mesh; {_replay(case)})",)
             raise e.original from e
         raise
+    ledger_errors = [f"rank {r.rank}: {e}" for r in reports for e in r.ledger_errors]
+    if ledger_errors:
+        raise EquivalenceError(f"pm.ledger(rank) is not what the step issued ({_replay(case)}):\n  "
+                               + "\n  ".join(ledger_errors), [])
     mismatches = sorted((m for r in reports for m in r.mismatches), key=lambda m: (m.step, m.rank))
     if mismatches:
         raise EquivalenceError(_explain(case, mismatches), mismatches)
@@ -199,16 +209,21 @@ def check_rank(case: Case) -> RankReport:
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
     loss_fn = case.loss_fn or mean_square
     pcoord, psizes = _param_coord(mesh, rank)
+    ledger = pm.ledger(rank)
     for step in range(case.steps):
-        out, ref_out = _call(pm, local_inputs), _call(reference, case.inputs)
+        with CollectiveCounter() as issued:
+            out = _call(pm, local_inputs)
+            loss = loss_fn(out)
+            loss.backward()
+        _check_ledger(ledger, issued.calls, [], step, report)
+        ref_out = _call(reference, case.inputs)
         names, ref_leaves = _output_leaves(ref_out)
         for name, got, want, placements in zip(names, pytree.tree_leaves(out), ref_leaves, pm.output_placements(),
                                                strict=True):
             if isinstance(want, torch.Tensor):
                 _compare(name, got, _output_shard(want, placements, mesh, rank, _batch(case.inputs)), step, tol,
                          report)
-        loss, ref_loss = loss_fn(out), loss_fn(ref_out)
-        loss.backward()
+        ref_loss = loss_fn(ref_out)
         ref_loss.backward()
         report.losses.append((_global_mean(loss, mesh, _batch_weight(mesh, rank, case.inputs)), ref_loss.item()))
         _compare_grads_and_step(case, pm, reference, opt, ref_opt, step, tol, report, pcoord, psizes)
@@ -226,15 +241,24 @@ def _check_steps(case: Case, pm: fxpar.ParallelModule, reference: torch.nn.Modul
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
     loss_fn = case.loss_fn or mean_square
     pcoord, psizes = _param_coord(mesh, rank)
+    ledger = pm.ledger(rank)
     for step in range(case.steps):
         model_args = (local_inputs,) if isinstance(local_inputs, dict) else local_inputs
         args = (*model_args, local_targets) if local_targets is not None else model_args
-        loss = pm.step(*args)
+        with CollectiveCounter() as issued:
+            loss = pm.step(*args)
+        _check_ledger(ledger, issued.calls, [LOSS_REPORT], step, report)
         ref_loss = _reference_step(case, reference, loss_fn, batch_ranks(mesh), pm._compiled.microbatches)
         report.losses.append((loss.item(), ref_loss.item()))
         _compare("loss", loss.reshape(1), ref_loss.detach().reshape(1), step, tol, report)
         _compare_grads_and_step(case, pm, reference, opt, ref_opt, step, tol, report, pcoord, psizes)
     return report
+
+
+def _check_ledger(ledger: list[Any], issued: list[Any], extra: list[Any], step: int, report: RankReport) -> None:
+    problem = ledger_mismatch(ledger, issued, extra)
+    if problem is not None:
+        report.ledger_errors.append(f"step {step}: {problem}")
 
 
 def _reference_step(case: Case, reference: torch.nn.Module, loss_fn: LossFn, dp: int, m: int) -> torch.Tensor:

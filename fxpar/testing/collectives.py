@@ -1,0 +1,62 @@
+"""Count the collectives and transfers a rank really issues, to hold ``pm.ledger(rank)`` to what runs.
+
+``CollectiveCounter`` is a ``TorchDispatchMode``: every communication op that reaches the
+dispatcher while it is active (the functional collectives inside the rank's graphs, the
+point-to-point ``send``/``recv`` of the pipeline, the ``all_reduce`` of tied gradients and of the
+loss) is recorded in issue order as ``(kind, dtype)``. ``ledger_calls`` turns ledger rows into the
+same form; ``ledger_mismatch`` compares the two and says where they first differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fxpar.backends.comm import COLLECTIVES
+from fxpar.lower import LedgerRow
+
+Call = tuple[str, torch.dtype]
+
+_c10d = torch.ops.c10d
+RUNTIME_KINDS = {
+    **{op: kind for op, kind in COLLECTIVES.items() if kind != "wait"},  # the graphs' functional collectives
+    _c10d.send.default: "send", _c10d.recv_.default: "recv",  # pipeline transfers
+    _c10d.allreduce_.default: "all_reduce",  # tied-weight gradient sums and the loss report
+}
+LEDGER_KINDS = {"all_reduce": "all_reduce", "all_reduce_max": "all_reduce", "all_gather": "all_gather",
+                "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all", "send": "send", "recv": "recv"}
+FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+LOSS_REPORT: Call = ("all_reduce", torch.float64)  # pm.step's mean loss over the world: not a ledger row
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records ``(kind, dtype)`` of every communication op issued while active (``with CollectiveCounter() as c``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Call] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kind = RUNTIME_KINDS.get(func)
+        if kind is not None:
+            first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]  # c10d ops take tensor lists
+            self.calls.append((kind, first.dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def ledger_calls(rows: list[LedgerRow]) -> list[Call]:
+    """The ``(kind, dtype)`` each ledger row issues at run time (float8 moves as uint8: gloo has no float8)."""
+    return [(LEDGER_KINDS[r.op], torch.uint8 if r.dtype in FLOAT8 else r.dtype) for r in rows]
+
+
+def ledger_mismatch(rows: list[LedgerRow], issued: list[Call], extra: list[Call] = ()) -> str | None:
+    """``None`` when ``issued`` is exactly the ledger's calls (then ``extra``), in order; else where they part."""
+    want = [*ledger_calls(rows), *extra]
+    if want == issued:
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(want, issued, strict=False)) if a != b), min(len(want), len(issued)))
+    return (f"the ledger lists {len(want)} calls, the step issued {len(issued)}; first difference at call {first}: "
+            f"ledger {want[first] if first < len(want) else 'nothing'}, issued "
+            f"{issued[first] if first < len(issued) else 'nothing'}")
