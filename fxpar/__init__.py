@@ -2,9 +2,8 @@
 
 import fxpar.ops  # noqa: F401  (registers fxpar::bmm4 before any program runs)
 from fxpar.api import parallelize
-from fxpar.errors import CaptureError, CheckpointError, PlanError
+from fxpar.errors import CaptureError, CheckpointError, FxparWarning, PlanError
 from fxpar.mesh import Mesh
-from fxpar.passes.propagate import FxparWarning
 from fxpar.plan import Plan
 from fxpar.runtime import ParallelModule
 from fxpar.verify import VerifyError, verify

@@ -13,6 +13,10 @@ class CaptureError(RuntimeError):
     """The model could not be traced; the message points at the user's source line."""
 
 
+class FxparWarning(UserWarning):
+    """fxpar compiled the model but something deserves the user's attention."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint does not hold what the module being loaded expects (a parameter name it lacks)."""
 

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from fxpar.errors import PlanError
+from fxpar.errors import FxparWarning, PlanError
 
 AS_FXPAR = {
     "colwise": "colwise", "colwise_rep": "colwise", "colwise_gather_output": "colwise", "local_colwise": "colwise",
@@ -58,8 +58,6 @@ def hf_tp_plan(model: torch.nn.Module) -> dict[str, str]:
         else:
             skipped.append(f"{glob} ({style}: {WHY_NOT.get(style, 'a style fxpar has no equivalent for')})")
     if skipped:
-        from fxpar.passes.propagate import FxparWarning
-
         warnings.warn("fxpar: Plan(tp='hf') replicates what it cannot honour: " + "; ".join(skipped), FxparWarning,
                       stacklevel=3)
     return plan

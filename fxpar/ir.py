@@ -8,6 +8,7 @@ each pass stays printable and diffable without copying a large graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import keyword
 import re
 from dataclasses import dataclass, field
@@ -15,12 +16,17 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.mesh import Mesh
 
 # Placements of one tensor: one Placement per mesh axis.
 Placements = tuple[Placement, ...]
+
+
+# the first ``name.<index>`` in a module path: one entry of a repeated block (``layers.3`` of ``layers.3.mlp.up``)
+BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,16 @@ class Redistribution:
 
 
 @dataclass(frozen=True)
+class Step:
+    """One collective (or local slice) on one mesh axis."""
+
+    op: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "slice"
+    axis: str
+    src: Placement
+    dst: Placement
+
+
+@dataclass(frozen=True)
 class Program:
     """A captured model as a global (unsharded) joint graph with annotations."""
 
@@ -80,13 +96,13 @@ class Program:
         return dataclasses.replace(self, **changes)
 
     def node(self, name: str) -> fx.Node:
-        return self._nodes_by_name()[name]
+        return self._nodes_by_name[name]
 
+    @functools.cached_property
     def _nodes_by_name(self) -> dict[str, fx.Node]:
-        cache = self.notes.setdefault("_nodes", {})
-        if not cache:
-            cache.update({n.name: n for n in self.graph.nodes})
-        return cache
+        """Built once per Program object, outside its fields: ``replace`` starts a new one, and the graph of a
+        Program is never edited in place (a pass that rewrites it returns a Program with a new graph)."""
+        return {n.name: n for n in self.graph.nodes}
 
     def verify(self) -> None:
         """Check the invariants every pass must keep; raise AssertionError naming the node."""
@@ -136,3 +152,10 @@ def py_name(fqn: str) -> str:
     ``nn.Sequential``'s ``0.weight`` -> ``p_0_weight``."""
     name = re.sub(r"\W", "_", fqn)
     return name if name.isidentifier() and not keyword.iskeyword(name) else f"p_{name}"
+
+
+def consumed_tensors(node: fx.Node) -> list[fx.Node | None]:
+    """The tensor arguments of ``node`` in the order ``arg_placements`` uses."""
+    if node.op == "output":
+        return [a if tensor_val(a) is not None else None for a in node.args[0]]
+    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]

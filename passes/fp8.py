@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from fxpar.passes.propagate import FxparWarning
 from torch._guards import detect_fake_mode
 
-from fxpar.errors import PlanError
+from fxpar.errors import FxparWarning, PlanError
 from fxpar.ir import Program, Provenance
-from fxpar.pipeline import Context
+from fxpar.pass_context import Context
 
 aten = torch.ops.aten
 RECIPES = ("tensorwise", "rowwise")
@@ -43,7 +42,7 @@ def fp8(prog: Program, ctx: Context) -> Program:
     if ctx.plan.fp8 is None:
         return prog
     chosen = choose_modules(ctx.model, ctx.plan.fp8)
-    gm = fx.GraphModule(prog.gm, prog.graph)  # the rewrite must not touch the captured graph others share
+    gm = fx.GraphModule(prog.gm, _copy(prog.graph))  # rewrite a copy: the input Program's graph stays as it was
     provenance = dict(prog.provenance)
     weights = _weight_nodes(prog, gm.graph)
     mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
@@ -53,8 +52,16 @@ def fp8(prog: Program, ctx: Context) -> Program:
             _rewrite(gm.graph, node, chosen[prov.module], weights, provenance, mode)
     gm.graph.lint()
     gm.recompile()
-    notes = {k: v for k, v in prog.notes.items() if k != "_nodes"}
-    return prog.replace("fp8", gm=gm, provenance=provenance, notes={**notes, "fp8": chosen})
+    return prog.replace("fp8", gm=gm, provenance=provenance, notes={**prog.notes, "fp8": chosen})
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` with the same node names and metadata (``node_copy`` keeps both)."""
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        env[n] = out.node_copy(n, lambda a: env[a])
+    return out
 
 
 def choose_modules(model: torch.nn.Module, spec: str | dict[str, str]) -> dict[str, str]:

@@ -29,8 +29,9 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from fxpar.errors import FxparWarning
 from fxpar.ir import Program, batch_placements, tensor_val
-from fxpar.pipeline import Context
+from fxpar.pass_context import Context
 from fxpar.rules import Candidate, candidates
 from fxpar.rules.batch_views import batch_view_candidate
 from fxpar.rules.context import ContextPolicy, gather_before_repeat
@@ -58,10 +59,6 @@ NO_CANDIDATE = math.inf
 SEQUENCE = Shard(1)  # where sequence parallelism keeps the residual stream ([batch, seq, hidden]) on tp
 
 
-class FxparWarning(UserWarning):
-    """fxpar compiled the model but something deserves the user's attention."""
-
-
 def propagate(prog: Program, ctx: Context) -> Program:
     """Placement of every tensor node and required placements of every node's tensor args.
 
@@ -70,7 +67,6 @@ def propagate(prog: Program, ctx: Context) -> Program:
     ops); ``arg_placements[node]`` for every node consuming tensors, forward outputs S(0) on
     dp and replicated elsewhere, gradients placed like their parameters.
     """
-    _warned.clear()  # warn once per op per compile
     placements: dict[str, Any] = dict(prog.placements)
     arg_placements: dict[str, tuple[Any, ...]] = {}
     params = {name for _, name in prog.signature.params}
@@ -82,6 +78,7 @@ def propagate(prog: Program, ctx: Context) -> Program:
     stream = prog.notes.get("sequence_parallel", frozenset())
     local = TokenLocal(prog, ctx.model)
     context = ContextPolicy(split.seq) if split.seq else None
+    unruled: set[str] = set()  # ops already warned about: warn once per op per compile
     for name, idx in prog.signature.tangents:
         placements[name] = outputs[idx]
     for node in prog.graph.nodes:
@@ -89,7 +86,7 @@ def propagate(prog: Program, ctx: Context) -> Program:
             placements[node.name] = _replicated(prog)
         elif node.op == "call_function":
             _place_call(prog, node, placements, arg_placements, param_like, split, node.name in stream, local,
-                        context)
+                        context, unruled)
         elif node.op == "output":
             arg_placements[node.name] = tuple(outputs)
     if context is not None:
@@ -122,7 +119,8 @@ def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None
 
 def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
                 arg_placements: dict[str, tuple[Any, ...]], param_like: set[str], split: Splitter,
-                stream: bool = False, local: TokenLocal | None = None, context: ContextPolicy | None = None) -> None:
+                stream: bool = False, local: TokenLocal | None = None, context: ContextPolicy | None = None,
+                unruled: set[str] | None = None) -> None:
     if node.target is __import__("operator").getitem:
         src = placements.get(node.args[0].name)
         if src is not None:
@@ -158,7 +156,7 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
             nested = _batch_axes_before(prog.mesh.names, ax)  # the batch dim is sharded over dp, then ep
             taken = _taken_dims([p for i, p in enumerate(per_axis_in) if i not in nested],
                                 [p for i, p in enumerate(per_axis_out) if i not in nested])
-            cand = zeros or _choose(node, tensor_args, cur, n, param_like, taken, sharded, extra, on_cp)
+            cand = zeros or _choose(node, tensor_args, cur, n, param_like, taken, sharded, extra, on_cp, unruled)
         per_axis_in.append(cand.inputs)
         per_axis_out.append(cand.output)
     arg_placements[node.name] = tuple(tuple(ins) for ins in zip(*per_axis_in, strict=True)) if tensor_args else ()
@@ -195,9 +193,6 @@ def _all(val: Any, p: Placement) -> Any:
     return p
 
 
-_warned: set[str] = set()
-
-
 def _taken_dims(per_axis_in: list[tuple[Placement, ...]], per_axis_out: list[Any]) -> Taken:
     """Dims that earlier mesh axes already shard, per tensor input and per output."""
     ins: dict[int, set[int]] = {}
@@ -214,7 +209,7 @@ def _taken_dims(per_axis_in: list[tuple[Placement, ...]], per_axis_out: list[Any
 
 def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: int,
             param_like: set[str], taken: Taken, sharded: bool = False, extra: Candidate | None = None,
-            context: ContextPolicy | None = None) -> Candidate:
+            context: ContextPolicy | None = None, unruled: set[str] | None = None) -> Candidate:
     """The cheapest allowed candidate on one axis; replicate everything if none is known.
 
     ``sharded``: the node is a sequence-parallel stream value on this axis (any placement but ``SEQUENCE``
@@ -250,8 +245,8 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
                 pass
     if extra is not None:
         found = [*(found or []), extra]
-    if found is None and str(node.target) not in _warned:
-        _warned.add(str(node.target))
+    if found is None and unruled is not None and str(node.target) not in unruled:
+        unruled.add(str(node.target))
         warnings.warn(f"fxpar: no sharding rule for {node.target}; it runs replicated (inputs gathered)",
                       FxparWarning, stacklevel=2)
     fallback = Candidate(tuple(Replicate() for _ in cur), _all(node.meta["val"], Replicate()))

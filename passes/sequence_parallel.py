@@ -5,10 +5,10 @@ from __future__ import annotations
 import warnings
 
 import torch
-from fxpar.passes.propagate import FxparWarning
 
+from fxpar.errors import FxparWarning
 from fxpar.ir import Program
-from fxpar.pipeline import Context
+from fxpar.pass_context import Context
 
 
 def sequence_parallel(prog: Program, ctx: Context) -> Program:
