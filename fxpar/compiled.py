@@ -25,6 +25,7 @@ from fxpar.lower import RankProgram, lower
 from fxpar.mesh import Mesh
 from fxpar.pipeline import Context, run_pipeline
 from fxpar.plan import Plan, as_plan
+from fxpar.recompute_budget import resolve_recompute_budget
 from fxpar.schedules import Schedule, make_schedule
 from fxpar.split import CONTEXT_AXIS, batch_ranks
 from fxpar.stages import split_stages
@@ -138,6 +139,10 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     schedule = make_schedule(plan.schedule, pp, len(programs), m)
     resolved = plan.resolved(stages=len(programs) if isinstance(plan.stages, int) or plan.stages is None
                              else plan.stages, microbatches=m, notes=notes)
+    start = time.perf_counter()
+    programs = [resolve_recompute_budget(p) for p in programs]  # a byte budget is measured on a lowered program
+    if plan.recompute is not None and not isinstance(plan.recompute, str):
+        timings["recompute_budget"] = time.perf_counter() - start
     return Compiled(mesh, resolved, programs, schedule, m, n_user, kind, out_spec, keys, timings, constants)
 
 

@@ -20,12 +20,11 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Replicate, Shard
 
-from fxpar.ir import Placements, Program, py_name
+from fxpar.ir import Placements, Program, Step, consumed_tensors, py_name
 from fxpar.lower_context import CAUSAL_ATTENTION, ContextMask
 from fxpar.lower_experts import EXPERT_AXIS, ExpertLowering
 from fxpar.lower_grads import StepCollectives
 from fxpar.overlap import inline_reduction, overlap
-from fxpar.passes.insert_collectives import Step, consumed_tensors
 from fxpar.rules.experts import EXPERT_OPS
 from fxpar.split import BATCH_AXIS, dp_share, splitter
 
@@ -610,7 +609,7 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     benv: dict[fx.Node, fx.Node] = {}
     saved: list[fx.Node] = []
 
-    from_shards = _from_zero3_shards(joint.graph) | {n for n in joint.graph.nodes if n.meta.get("recompute")}
+    from_shards = from_zero3_shards(joint.graph) | {n for n in joint.graph.nodes if n.meta.get("recompute")}
 
     def bwd_arg(n: fx.Node) -> fx.Node:
         if n not in benv and n in from_shards:  # recompute it in the backward instead of saving it
@@ -638,7 +637,7 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     return fx.GraphModule(root, fwd_g), fx.GraphModule(root, bwd_g), [s.name for s in saved]
 
 
-def _from_zero3_shards(graph: fx.Graph) -> set[fx.Node]:
+def from_zero3_shards(graph: fx.Graph) -> set[fx.Node]:
     """Forward nodes computed from ZeRO-3 parameter shards alone (the shard placeholders excluded)."""
     shards = {n for n in graph.nodes if n.op == "placeholder" and n.meta.get("zero3_shard")}
     derived: set[fx.Node] = set()

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxpar.ir import Placements, py_name
-from fxpar.passes.insert_collectives import Step
+from fxpar.ir import Placements, Step, py_name
 from fxpar.split import BATCH_AXES, BATCH_AXIS
 
 aten = torch.ops.aten

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.backends.comm import c10d, group_arg_index
-from fxpar.passes.recompute import BLOCK
+from fxpar.ir import BLOCK
 
 aten = torch.ops.aten
 # layout-only ops that move with the collective they feed or unpack

@@ -5,23 +5,21 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from fxpar.ir import Program
-from fxpar.plan import Plan
+from fxpar.pass_context import Context
+from fxpar.passes.annotate import annotate
+from fxpar.passes.fp8 import fp8
+from fxpar.passes.fp8_gather import fp8_gather
+from fxpar.passes.insert_collectives import insert_collectives
+from fxpar.passes.overlap import overlap
+from fxpar.passes.propagate import propagate
+from fxpar.passes.recompute import recompute
+from fxpar.passes.sequence_parallel import sequence_parallel
+from fxpar.passes.zero import zero
 
-
-@dataclass
-class Context:
-    """What passes may read besides the Program: the user's model and plan, and timings."""
-
-    model: torch.nn.Module
-    plan: Plan
-    timings: dict[str, float] = field(default_factory=dict)
-    debug: int = int(os.environ.get("FXPAR_DEBUG", "0"))
+__all__ = ["Context", "Pass", "dump", "passes", "run_pipeline"]
 
 
 Pass = Callable[[Program, Context], Program]
@@ -29,16 +27,6 @@ Pass = Callable[[Program, Context], Program]
 
 def passes() -> list[tuple[str, Pass]]:
     """The pass pipeline, in order."""
-    from fxpar.passes.annotate import annotate
-    from fxpar.passes.fp8 import fp8
-    from fxpar.passes.fp8_gather import fp8_gather
-    from fxpar.passes.insert_collectives import insert_collectives
-    from fxpar.passes.overlap import overlap
-    from fxpar.passes.propagate import propagate
-    from fxpar.passes.recompute import recompute
-    from fxpar.passes.sequence_parallel import sequence_parallel
-    from fxpar.passes.zero import zero
-
     return [
         ("fp8", fp8),  # Linear matmuls -> float8 _scaled_mm with dynamic scales (rewrites the joint graph)
         ("annotate", annotate),  # plan + mesh -> placements of params, buffers, inputs

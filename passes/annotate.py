@@ -7,7 +7,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxpar.errors import PlanError, close_matches
 from fxpar.ir import Program, batch_placements
-from fxpar.pipeline import Context
+from fxpar.pass_context import Context
 from fxpar.plan import SUPPORTED_AXES, check_shardable, param_tp_placement, resolve_plan
 from fxpar.rules.token_local import is_hf_experts
 from fxpar.split import CONTEXT_AXIS, sequence_length

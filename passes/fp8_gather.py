@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from fxpar.passes.insert_collectives import consumed_tensors
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fxpar.ir import Program
-from fxpar.pipeline import Context
+from fxpar.ir import Program, consumed_tensors
+from fxpar.pass_context import Context
 
 aten = torch.ops.aten
 SAME = {aten.abs.default, aten.clamp.default, aten._to_copy.default, aten.clone.default,

@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fxpar.ir import Placements, Program, tensor_val
-from fxpar.pipeline import Context
-
-
-@dataclass(frozen=True)
-class Step:
-    """One collective (or local slice) on one mesh axis."""
-
-    op: str  # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "slice"
-    axis: str
-    src: Placement
-    dst: Placement
+from fxpar.ir import Placements, Program, Step, consumed_tensors
+from fxpar.pass_context import Context
 
 
 def insert_collectives(prog: Program, ctx: Context) -> Program:
@@ -50,13 +36,6 @@ def insert_collectives(prog: Program, ctx: Context) -> Program:
                     raise NotImplementedError(f"{e} ({arg.name} -> {node.name}, {node.target})") from None
                 plan[(node.name, pos)] = (arg.name, dst, steps)
     return prog.replace("insert_collectives", notes={**prog.notes, "redistribute": plan})
-
-
-def consumed_tensors(node: fx.Node) -> list[fx.Node | None]:
-    """The tensor arguments of ``node`` in the order ``arg_placements`` uses."""
-    if node.op == "output":
-        return [a if tensor_val(a) is not None else None for a in node.args[0]]
-    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
 
 
 def steps_between(axes: tuple[str, ...], src: Placements, dst: Placements) -> tuple[Step, ...]:

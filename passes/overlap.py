@@ -10,7 +10,7 @@ from torch.distributed.tensor import Replicate
 
 from fxpar.errors import PlanError
 from fxpar.ir import Program
-from fxpar.pipeline import Context
+from fxpar.pass_context import Context
 from fxpar.split import batch_ranks, splitter
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 
 from fxpar.ir import Program
-from fxpar.pipeline import Context
+from fxpar.pass_context import Context
 
 
 def zero(prog: Program, ctx: Context) -> Program:

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from fxpar.rules import Candidate
+from fxpar.rules.registry import Candidate
 from fxpar.split import Splitter
 
 aten = torch.ops.aten

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxpar.ops  # noqa: F401  (defines the op)
-from fxpar.rules import Candidate, register
+from fxpar.rules.registry import Candidate, register
 
 
 @register(torch.ops.fxpar.bmm4.default)

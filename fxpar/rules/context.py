@@ -25,7 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.ir import tensor_val
-from fxpar.rules import Candidate
+from fxpar.rules.registry import Candidate
 
 aten = torch.ops.aten
 # the ops of GQA's repeat_kv and of eager attention's k transpose: none has fewer elements than its input

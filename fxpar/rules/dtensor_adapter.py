@@ -21,7 +21,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
 from torch.distributed.tensor.placement_types import Placement
 
-from fxpar.rules import Candidate
+from fxpar.rules.registry import Candidate
 
 _PROP = DTensor._op_dispatcher.sharding_propagator
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.moe import MOE_BACKWARD, MOE_FORWARD
-from fxpar.rules import Candidate
+from fxpar.rules.registry import Candidate
 from fxpar.split import BATCH_AXES
 
 EXPERT_OPS = (MOE_FORWARD, MOE_BACKWARD)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxpar.rules import Candidate, register
+from fxpar.rules.registry import Candidate, register
 
 aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.ir import tensor_val
-from fxpar.rules import Candidate
+from fxpar.rules.registry import Candidate
 
 aten = torch.ops.aten
 ZEROS = {aten.new_zeros.default, aten.zeros_like.default}

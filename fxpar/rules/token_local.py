@@ -26,7 +26,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.ir import Program, tensor_val
-from fxpar.rules import Candidate
+from fxpar.rules.registry import Candidate
 
 
 def is_hf_experts(module: torch.nn.Module) -> bool:

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxpar.ops  # noqa: F401  (defines the ops)
-from fxpar.rules import Candidate, register
+from fxpar.rules.registry import Candidate, register
 
 R = Replicate()
 

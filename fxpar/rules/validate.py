@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fxpar.rules import Candidate
+from fxpar.rules.registry import Candidate
 
 
 def _shards(t: torch.Tensor, p: Placement, n: int, gen: torch.Generator) -> list[torch.Tensor]:
