@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
+from fxpar.compiled import Compiled
 from fxpar.printer import group_vars, print_rank_programs
+from fxpar.rank_step import rank_step, step_ledger
 
 PRELUDE = '''import torch
 
@@ -20,30 +21,31 @@ constants: dict = {{}}  # lifted tensor constants, if the program uses any
 '''
 
 
-def save_programs(pm: Any, folder: str, ranks: list[int] | None = None) -> list[str]:
+def save_programs(c: Compiled, folder: str, ranks: list[int] | None = None) -> list[str]:
     """Write ``rank<r>.py`` for each rank (all by default) and ``manifest.json``; return the paths.
 
     Each file defines ``forward`` and ``backward`` for its rank; collectives name groups through
     module-level variables (``TP = "tp[2,3]"``) that ``comm.register_group`` binds at run time.
     """
     os.makedirs(folder, exist_ok=True)
-    prog = pm._prog
+    prog = c.stages[0]
     ranks = list(range(prog.mesh.size)) if ranks is None else ranks
     paths, manifest = [], {"mesh": prog.mesh.axes, "passes": list(prog.passes), "ranks": {}}
     for r in ranks:
-        rp = pm.rank_program(r)
+        rp = c.rank_program(r)
         all_groups: dict[str, str] = {}
-        for stage in pm.stages_of(r):
-            all_groups.update(group_vars(pm.rank_program(r, stage)))
+        for stage in c.stage_of_rank(r):
+            all_groups.update(group_vars(c.rank_program(r, stage)))
         groups = "\n".join(f"{v} = {s!r}" for s, v in sorted(all_groups.items(), key=lambda kv: kv[1]))
-        text = PRELUDE.format(groups=groups) + "\n\n" + print_rank_programs(pm, r)
+        text = PRELUDE.format(groups=groups) + "\n\n" + print_rank_programs(c, r)
         path = os.path.join(folder, f"rank{r}.py")
         with open(path, "w") as f:
             f.write(text)
         paths.append(path)
         manifest["ranks"][str(r)] = {"file": os.path.basename(path), "coord": list(rp.coord),
                                      "groups": {s: list(g) for s, g in rp.groups.items()},
-                                     "stages": pm.stages_of(r), "collectives": len(pm.ledger(r))}
+                                     "stages": c.stage_of_rank(r),
+                                     "collectives": len(step_ledger(rank_step(c, r)))}
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
     return paths

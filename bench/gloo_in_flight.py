@@ -3,9 +3,9 @@
 Four gloo ranks on a 2 x 2 mesh run ``--iters`` batches of 1-8 functional collectives (reduce-scatters,
 all-gathers and all-reduces of small tensors, as ZeRO with overlap issues them), with allocations between
 issue and wait as compute makes. ``--policy many`` issues a whole batch on the ``dp`` group before waiting for
-any of it, in a shuffled order: what ``fxpar.overlap`` did on every backend before. ``--policy one-per-group``
+any of it, in a shuffled order: what ``fxpar.lower.overlap`` did on every backend before. ``--policy one-per-group``
 alternates the batch between the ``dp`` and ``pp`` groups and keeps at most one collective in flight on each
-(the next issue on a group first waits for its previous one): what ``fxpar.overlap`` does on gloo now. A run
+(the next issue on a group first waits for its previous one): what ``fxpar.lower.overlap`` does on gloo now. A run
 survives or a rank dies natively (glibc: "malloc(): unaligned tcache chunk detected", "free(): invalid
 pointer"); the script prints how many runs survived. About 2 minutes per run on 2 cores::
 

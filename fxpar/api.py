@@ -12,6 +12,7 @@ from fxpar.compiled import Compiled, compile_model
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.runtime import ParallelModule
+from fxpar.verify import verify
 
 
 def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...] | Any,
@@ -35,8 +36,6 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
         rank = dist.get_rank()
     compiled = compile_program(model, mesh, example_inputs, plan, loss_fn=loss_fn)
     pm = ParallelModule(compiled, None if mesh.fake else model, rank, loss_fn=loss_fn)
-    from fxpar.verify import verify
-
     verify(pm)
     return pm
 

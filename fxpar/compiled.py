@@ -22,10 +22,10 @@ from fxpar.capture import capture, capture_joint, export_fake
 from fxpar.errors import PlanError
 from fxpar.ir import Program
 from fxpar.lower import RankProgram, lower
+from fxpar.lower.recompute_budget import resolve_recompute_budget
 from fxpar.mesh import Mesh
 from fxpar.pipeline import Context, run_pipeline
 from fxpar.plan import Plan, as_plan
-from fxpar.recompute_budget import resolve_recompute_budget
 from fxpar.schedules import Schedule, make_schedule
 from fxpar.split import CONTEXT_AXIS, batch_ranks
 from fxpar.stages import split_stages

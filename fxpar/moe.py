@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fxpar.errors import PlanError
+from fxpar.rules.token_local import is_hf_experts
 
 aten = torch.ops.aten
 
@@ -269,8 +270,6 @@ def activation_name(act_fn: Any) -> str | None:
 def experts_as_ops(model: torch.nn.Module, ep: int) -> Iterator[None]:
     """While tracing on an ep mesh (``ep > 1``), every HF experts module of ``model`` runs as one ``moe_experts``
     call (the module itself is restored after)."""
-    from fxpar.rules.token_local import is_hf_experts
-
     experts = [(p, m) for p, m in model.named_modules() if p and is_hf_experts(m)] if ep > 1 else []
     for path, module in experts:
         check_experts_module(path, module, ep)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.errors import PlanError, close_matches
+from fxpar.hf_plan import hf_tp_plan
 
 STYLES = ("colwise", "rowwise", "replicate")
 SUPPORTED_AXES = ("pp", "dp", "ep", "cp", "tp")
@@ -127,8 +128,6 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, str] | None) -> dict[st
     if plan is None:
         return {}
     if plan == "hf":
-        from fxpar.hf_plan import hf_tp_plan
-
         plan = hf_tp_plan(model)
     if not isinstance(plan, dict):
         raise PlanError(f"Plan(tp=...) must be a dict of module-path globs to styles, got {type(plan).__name__}")

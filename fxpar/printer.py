@@ -15,8 +15,10 @@ from tabulate import tabulate
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxpar.backends.comm import c10d, rank_sizes
+from fxpar.compiled import Compiled
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow, RankProgram
+from fxpar.memory import saved_bytes
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.float8_e4m3fn: "f8e4m3",
@@ -145,8 +147,6 @@ def _recompute_line(prog: Program, rp: RankProgram) -> list[str]:
     policy = prog.notes.get("recompute_policy")
     if policy is None:
         return []
-    from fxpar.memory import saved_bytes
-
     redone = sum(1 for n in rp.backward.graph.nodes if n.meta.get("recomputed"))
     saved = saved_bytes(rp.forward, prog.signature.num_outputs)
     return [f"# recompute  {policy}: the backward reruns {redone} forward ops; the forward saves {saved:,} B"]
@@ -170,27 +170,26 @@ def print_rank_program(prog: Program, rp: RankProgram, verbosity: int = 1, extra
     return "\n\n".join(parts) + "\n"
 
 
-def print_rank_programs(pm: Any, rank: int, verbosity: int = 1) -> str:
+def print_rank_programs(c: Compiled, rank: int, verbosity: int = 1) -> str:
     """Every stage program ``rank`` holds (one without pipeline stages), each with its boundary transfers."""
-    c = pm._compiled
-    stages = pm.stages_of(rank)
+    stages = c.stage_of_rank(rank)
     if len(c.stages) == 1:
-        return print_rank_program(c.stages[0], pm.rank_program(rank, 0), verbosity)
+        return print_rank_program(c.stages[0], c.rank_program(rank, 0), verbosity)
     texts = []
     for s in stages:
         prog = c.stages[s]
         info = prog.notes["stage"]
-        peers = _stage_peers(pm, rank, s)
+        peers = _stage_peers(c, rank, s)
         extra = [f"# stage   {s} of {len(c.stages)} (starts at {info.first_module}) | schedule {c.schedule.name}, "
                  f"{c.microbatches} microbatches | {peers}",
                  f"# recv    {', '.join(info.received) or '(user inputs only)'}",
                  f"# send    {', '.join(info.sent) or '(outputs to loss_fn)'}"]
-        texts.append(print_rank_program(prog, pm.rank_program(rank, s), verbosity, extra, suffix=f"_stage{s}"))
+        texts.append(print_rank_program(prog, c.rank_program(rank, s), verbosity, extra, suffix=f"_stage{s}"))
     return "\n".join(texts)
 
 
-def _stage_peers(pm: Any, rank: int, stage: int) -> str:
-    c, mesh = pm._compiled, pm.mesh
+def _stage_peers(c: Compiled, rank: int, stage: int) -> str:
+    mesh = c.mesh
     coord = list(mesh.coord(rank))
     out = []
     for label, other in (("prev stage", stage - 1), ("next stage", stage + 1)):

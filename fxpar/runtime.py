@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from fxpar.backends.emit import save_programs
 from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
 from fxpar.executor import StageRunner, StepExecutor
 from fxpar.ir import Program
@@ -25,6 +26,7 @@ from fxpar.memory import Memory
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
+from fxpar.printer import ledger_table, print_rank_programs
 from fxpar.rank_step import StepEvent, rank_step, step_ledger, tie_holders, tie_ranks
 from fxpar.schedules import Schedule
 from fxpar.stages import node_cost
@@ -127,9 +129,7 @@ class ParallelModule(torch.nn.Module):
 
     def program(self, rank: int = 0, verbosity: int = 1) -> str:
         """The rank's programs as readable, runnable Python: per stage it holds, forward, backward and reduce_grads."""
-        from fxpar.printer import print_rank_programs
-
-        return print_rank_programs(self, rank, verbosity)
+        return print_rank_programs(self._compiled, rank, verbosity)
 
     def ledger(self, rank: int = 0) -> list[LedgerRow]:
         """Every collective and point-to-point transfer the rank issues in one ``pm.step`` (see ``ledger_table``).
@@ -164,8 +164,6 @@ class ParallelModule(torch.nn.Module):
         return predict_memory(self._compiled, rank)
 
     def ledger_table(self, rank: int = 0) -> str:
-        from fxpar.printer import ledger_table
-
         return ledger_table(self.ledger(rank))
 
     def output_placements(self) -> list[Any]:
@@ -191,9 +189,7 @@ class ParallelModule(torch.nn.Module):
 
     def save(self, folder: str) -> list[str]:
         """Write each rank's program as a standalone Python file plus ``manifest.json``."""
-        from fxpar.backends.emit import save_programs
-
-        return save_programs(self, folder)
+        return save_programs(self._compiled, folder)
 
     # -- execution ----------------------------------------------------------------------------
     def _materialize(self, model: torch.nn.Module) -> None:

@@ -129,7 +129,7 @@ def test_overlap_keeps_one_in_flight_per_group_only_when_asked(one_per_group: bo
     waits = [g.call_function(c10d.wait_tensor.default, (c,)) for c in issues]
     other = g.call_function(c10d.all_reduce.default, (x, "sum", "tp"))  # another group: not held back
     g.output((*waits, *mms, g.call_function(c10d.wait_tensor.default, (other,))))
-    fxpar.overlap.overlap(g, one_per_group)
+    fxpar.lower.overlap.overlap(g, one_per_group)
     assert _most_in_flight_per_group(g) == (1 if one_per_group else 3)
     nodes = list(g.nodes)
     assert nodes.index(other) < nodes.index(mms[0])  # tp's collective is issued early either way

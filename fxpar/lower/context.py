@@ -1,5 +1,5 @@
-"""Lowering for a context-parallel (``cp``) axis: the causal mask of this rank's query positions (a mixin of
-``fxpar.lower._Lowerer``).
+"""Lowering for a context-parallel (``cp``) axis: the causal mask of this rank's query positions (methods of
+``fxpar.lower.retrace.Lowerer``).
 
 A causal attention kernel over queries that are this rank's load-balanced pieces of the sequence cannot use
 ``is_causal`` (it masks as if the queries were positions ``0..len-1``); it gets an explicit additive mask of the
@@ -12,10 +12,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
+from fxpar.rules.context import SDPA_BACKWARD
 from fxpar.split import CONTEXT_AXIS
 
 aten = torch.ops.aten
-SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 CAUSAL_ATTENTION = {  # kernel -> index of its is_causal argument
     aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7,
@@ -47,7 +47,10 @@ class ContextMask:
     def causal_mask(self, seq: int, ax: int, like: torch.Tensor) -> fx.Node:
         """``[local, seq]`` additive mask: 0 where this rank's query position may see a key position, else -inf."""
         positions = self.split.indices(seq, ax, self.coord[ax])
-        recomputing, self.recomputing = self.recomputing, True  # the backward rebuilds it rather than saving it
+        with self.at(recompute=True):  # the backward rebuilds it rather than saving it
+            return self._causal_mask(positions, seq, like)
+
+    def _causal_mask(self, positions: list[int], seq: int, like: torch.Tensor) -> fx.Node:
         half = len(positions) // 2  # two chunks of consecutive positions (fxpar.split)
         ints = {"dtype": torch.int64, "device": like.device}
         pieces = [self.emit(aten.arange.start, (p[0], p[-1] + 1), ints) for p in (positions[:half], positions[half:])]
@@ -57,5 +60,4 @@ class ContextMask:
         zeros = self.emit(aten.zeros.default, ([len(positions), seq],), {"dtype": like.dtype, "device": like.device})
         mask = self.emit(aten.masked_fill.Scalar, (zeros, hidden, float("-inf")), name="cp_causal_mask",
                          placements=tuple(Replicate() for _ in self.mesh.names))
-        self.recomputing = recomputing
         return mask

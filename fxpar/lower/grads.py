@@ -1,4 +1,4 @@
-"""Lowering's once-per-step collectives of parameters and gradients (a mixin of ``fxpar.lower._Lowerer``).
+"""Lowering's once-per-step collectives of parameters and gradients (a mixin of ``fxpar.lower.retrace.Lowerer``).
 
 ``gather_params``: ZeRO-1/2's all-gather of the dp-sharded parameters before a step. ``reduce_grads``: the batch
 axes' gradient reductions (dp, and ep for dense parameters) deferred out of the backward so that microbatches'
@@ -32,22 +32,19 @@ class StepCollectives:
         """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters (fqn order)."""
         if not self.zero or self.zero3:
             return None
-        main, ledger, self.graph, self.phase = self.graph, self.ledger, fx.Graph(), "fwd"
-        self.ledger = []
-        dp = self.mesh.axes["dp"]
-        results = []
-        for fqn, name in self._zero_params():
-            d = self.zero[fqn]
-            val = self.prog.node(name).meta["val"]
-            shape = self.split.local_shape(val.shape, self.prog.placements[name], self.coord)
-            shape[d] //= dp
-            ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
-            with self.fake:
-                ph.meta["val"] = torch.empty(shape, dtype=val.dtype)
-            results.append(self.gather(ph, d, dp, self.group("dp"), "dp", None, fqn, contiguous=True))
-        self.graph.output(tuple(results))
-        graph, self.graph = self.graph, main
-        self.gather_rows, self.ledger = self.ledger, ledger
+        with self.into(fx.Graph(), phase="fwd") as graph:
+            dp = self.mesh.axes["dp"]
+            results = []
+            for fqn, name in self._zero_params():
+                d = self.zero[fqn]
+                val = self.prog.node(name).meta["val"]
+                shape = self.split.local_shape(val.shape, self.prog.placements[name], self.coord)
+                shape[d] //= dp
+                ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
+                with self.fake:
+                    ph.meta["val"] = torch.empty(shape, dtype=val.dtype)
+                results.append(self.gather(ph, d, dp, self.group("dp"), "dp", None, fqn, contiguous=True))
+            self.graph.output(tuple(results))
         return graph
 
     def defer_dp_reduction(self, pos: int, producer: str, dst: Placements, steps: tuple[Step, ...]
@@ -71,25 +68,24 @@ class StepCollectives:
         """``reduce_grads(g...)``: the deferred dp all-reduces of accumulated gradients, in backward output order."""
         if not self.deferred:
             return None
-        main, self.graph, self.phase = self.graph, fx.Graph(), "bwd"
-        outs = backward.graph.output_node().args[0]
-        num_outputs = self.prog.signature.num_outputs
-        placeholders = {}
-        for pos, fqn, _ in self.deferred:
-            placeholders[fqn] = ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
-            ph.meta.update(outs[pos - num_outputs].meta)
-        results: dict[str, fx.Node] = dict(placeholders)
-        for axis in (a for a in self.mesh.names if a in BATCH_AXES):  # dp, then ep: each sums its own partial
-            reduced = {fqn: results[fqn] for fqn in placeholders if axis in self.deferred_axes[fqn]}
-            for bucket in self.buckets(reduced):
-                if bucket[0] in self.zero:  # ZeRO: each rank keeps the reduced shard its parameter shard needs
-                    results[bucket[0]] = self.scatter(results[bucket[0]], self.zero[bucket[0]],
-                                                      self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
-                                                      contiguous=True, zero_shard=True)
-                else:
-                    results.update(self.all_reduce_bucket([(fqn, results[fqn]) for fqn in bucket], axis))
-        self.graph.output(tuple(results[fqn] for _, fqn, _ in self.deferred))
-        graph, self.graph = self.graph, main
+        with self.into(fx.Graph(), phase="bwd") as graph:
+            outs = backward.graph.output_node().args[0]
+            num_outputs = self.prog.signature.num_outputs
+            placeholders = {}
+            for pos, fqn, _ in self.deferred:
+                placeholders[fqn] = ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
+                ph.meta.update(outs[pos - num_outputs].meta)
+            results: dict[str, fx.Node] = dict(placeholders)
+            for axis in (a for a in self.mesh.names if a in BATCH_AXES):  # dp, then ep: each sums its own partial
+                reduced = {fqn: results[fqn] for fqn in placeholders if axis in self.deferred_axes[fqn]}
+                for bucket in self.buckets(reduced):
+                    if bucket[0] in self.zero:  # ZeRO: each rank keeps the reduced shard its parameter shard needs
+                        results[bucket[0]] = self.scatter(results[bucket[0]], self.zero[bucket[0]],
+                                                          self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
+                                                          contiguous=True, zero_shard=True)
+                    else:
+                        results.update(self.all_reduce_bucket([(fqn, results[fqn]) for fqn in bucket], axis))
+            self.graph.output(tuple(results[fqn] for _, fqn, _ in self.deferred))
         return graph
 
     def buckets(self, placeholders: dict[str, fx.Node]) -> list[list[str]]:

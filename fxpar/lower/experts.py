@@ -108,8 +108,8 @@ class ExpertLowering:
         the rank's ``pairs`` rows."""
         lw = self.lw
         node = lw.graph.create_node("call_function", rank_sizes, (counts, self.n))
-        node.meta.update(val=balanced_sizes(pairs, self.n), module=module, phase=lw.phase, source=lw.source,
-                         for_node=lw.for_node, placements=None)
+        node.meta.update(val=balanced_sizes(pairs, self.n), module=module, phase=lw.site.phase,
+                         source=lw.site.source, for_node=lw.site.for_node, placements=None)
         return node
 
     def _emitter(self, module: str):  # noqa: ANN202

@@ -1,0 +1,90 @@
+"""Emission: append a node to the graph being built, with its fake value and where it comes from.
+
+``Site`` is that "where" as one explicit value: the phase, the user's source line, the global node
+being lowered and whether the backward recomputes what is emitted. ``with em.at(phase="bwd"):``
+changes it for a scope and restores it after; nothing else reassigns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpar.lower.program import LedgerRow, group_name
+from fxpar.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where emitted nodes come from; every node emitted while it is current carries it in its meta."""
+
+    phase: str = "fwd"  # "fwd" | "bwd"
+    source: str = ""  # the user's source line of the global node being lowered
+    for_node: str = ""  # the global node being lowered (the recompute budget measures trials by it)
+    recompute: bool = False  # the backward recomputes what is emitted here (``split_joint`` copies it there)
+
+
+class Emitter:
+    """Builds one rank's graphs: ``emit`` appends a node, ``group`` names a process group, ``record`` a ledger row."""
+
+    def __init__(self, mesh: Mesh, rank: int) -> None:
+        self.mesh, self.rank = mesh, rank
+        self.graph = fx.Graph()
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.groups: dict[str, tuple[int, ...]] = {}  # symbolic name -> ranks, of every group emitted
+        self.site = Site()
+
+    @contextmanager
+    def at(self, **changes: Any) -> Iterator[None]:
+        """Emit with ``site`` changed by ``changes`` inside the ``with`` block."""
+        outer = self.site
+        self.site = dataclasses.replace(outer, **changes)
+        try:
+            yield
+        finally:
+            self.site = outer
+
+    @contextmanager
+    def into(self, graph: fx.Graph, **changes: Any) -> Iterator[fx.Graph]:
+        """Emit into another graph (a once-per-step graph of the rank) inside the ``with`` block."""
+        outer = self.graph
+        self.graph = graph
+        try:
+            with self.at(**changes):
+                yield graph
+        finally:
+            self.graph = outer
+
+    def emit(self, target: Any, args: tuple, kwargs: dict | None = None, placements: Any = None,
+             module: str = "", name: str | None = None) -> fx.Node:
+        kwargs = kwargs or {}
+        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
+        vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+        with self.fake:
+            node.meta["val"] = target(*vals[0], **vals[1])
+        site = self.site
+        node.meta.update(placements=placements, module=module, phase=site.phase, source=site.source)
+        node.meta["for_node"] = site.for_node
+        if site.recompute:
+            node.meta["recompute"] = True
+        return node
+
+    def group(self, axis: str) -> str:
+        ranks = tuple(self.mesh.group_ranks(self.rank, axis))
+        name = group_name(axis, ranks)
+        self.groups[name] = ranks
+        return name
+
+    def record(self, op: str, axis: str, val: torch.Tensor, node: fx.Node) -> None:
+        """Put the ledger row of the collective ``node`` in its meta (a recomputed copy re-issues it)."""
+        ranks = tuple(self.mesh.group_ranks(self.rank, axis))
+        node.meta["ledger_row"] = LedgerRow(self.site.phase, op, axis, tuple(val.shape), val.dtype,
+                                            val.numel() * val.element_size(), ranks)
