@@ -11,11 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from fxpar.backends.emit import save_programs
 from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
@@ -25,9 +23,10 @@ from fxpar.lower import LedgerRow, RankProgram
 from fxpar.memory import Memory
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
+from fxpar.params import materialize
 from fxpar.plan import Plan
 from fxpar.printer import ledger_table, print_rank_programs
-from fxpar.rank_step import StepEvent, rank_step, step_ledger, tie_holders, tie_ranks
+from fxpar.rank_step import StepEvent, rank_step, step_ledger
 from fxpar.schedules import Schedule
 from fxpar.stages import node_cost
 
@@ -193,32 +192,8 @@ class ParallelModule(torch.nn.Module):
 
     # -- execution ----------------------------------------------------------------------------
     def _materialize(self, model: torch.nn.Module) -> None:
-        mesh = self._compiled.mesh
-        dm = mesh.device_mesh()
-        param_mesh, keep = _param_mesh(mesh, dm)
-        on_cuda = mesh.device == "cuda"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-        state = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
-        for s in self.stages_of(self._rank):
-            prog = self._compiled.stages[s]
-            for fqn, name in prog.signature.params:
-                if _has_path(self, fqn):
-                    continue
-                p = state[fqn]
-                if p.is_meta:
-                    raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
-                placements = [pl for pl, k in zip(prog.placements[name], keep, strict=True) if k] or [Replicate()]
-                if fqn in prog.notes.get("zero", {}):  # ZeRO: stored as this rank's dp shard
-                    dp_index = [a for a in mesh.names if a != "pp"].index("dp")
-                    placements[dp_index] = Shard(prog.notes["zero"][fqn])
-                dt = distribute_tensor(p.detach().to(device), param_mesh, placements)
-                _register_path(self, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
-            self._stage_buffers[s] = [buffers[fqn].detach().to(device) for fqn, _ in prog.signature.buffers]
-            rp = self.rank_program(self._rank, s)
-            names = {sym: _group_name(dm, sym) for sym in rp.groups}
-            self._runners[s] = StageRunner(self._compiled, self._rank, s, names)
-        self._tie_groups = _tie_groups(self._compiled, self._rank)
+        """This rank's parameters as DTensors (registered under their model paths), its buffers and bound graphs."""
+        self._stage_buffers, self._runners, self._tie_groups = materialize(self, self._compiled, model, self._rank)
 
     def local_param(self, fqn: str) -> torch.Tensor:
         """What the rank's graphs compute with: the local shard, or (ZeRO, inside ``pm.step``) the gathered one."""
@@ -301,58 +276,3 @@ class ParallelModule(torch.nn.Module):
             c = self._compiled
             self._executor = StepExecutor(self, self._runners, rank_step(c, self._rank), self._loss_fn)
         return self._executor
-
-
-def _param_mesh(mesh: Mesh, dm: DeviceMesh) -> tuple[DeviceMesh, list[bool]]:
-    """The mesh parameters live on (every axis but ``pp``: a stage's ranks) and which axes it keeps."""
-    keep = [name != "pp" for name in mesh.names]
-    names = tuple(n for n in mesh.names if n != "pp")
-    if len(names) == len(mesh.names):
-        return dm, keep
-    if names:
-        return dm[names], keep
-    pp = mesh.axes["pp"]
-    solo = DeviceMesh(mesh.device, torch.arange(mesh.size).reshape(pp, 1), mesh_dim_names=("pp", "stage"))
-    return solo["stage"], keep  # a mesh of this rank alone: parameters replicated on it
-
-
-def _group_name(dm: DeviceMesh, symbolic: str) -> str:
-    return dm.get_group(symbolic.split("[")[0]).group_name
-
-
-def _tie_groups(compiled: Compiled, rank: int) -> list[tuple[str, Any]]:
-    """The process groups of ``tie_ranks``. Every rank creates every group (``new_group`` is collective),
-    in one deterministic order."""
-    mesh = compiled.mesh
-    mine = dict(tie_ranks(compiled, rank))
-    out = []
-    for fqn, pps in tie_holders(compiled).items():
-        group_of_rank = None
-        for r in range(mesh.size):
-            if compiled.pp_coord(r) != pps[0]:
-                continue
-            ranks = dict(tie_ranks(compiled, r))[fqn]
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                group_of_rank = group
-        if fqn in mine:
-            out.append((fqn, group_of_rank))
-    return out
-
-
-def _has_path(root: torch.nn.Module, fqn: str) -> bool:
-    try:
-        root.get_parameter(fqn)
-        return True
-    except AttributeError:
-        return False
-
-
-def _register_path(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
-    *path, leaf = fqn.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part) or not isinstance(getattr(mod, part), torch.nn.Module):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    mod.register_parameter(leaf, param)
