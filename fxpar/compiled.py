@@ -24,6 +24,7 @@ from fxpar.ir import Program
 from fxpar.lower import RankProgram, lower
 from fxpar.lower.recompute_budget import resolve_recompute_budget
 from fxpar.mesh import Mesh
+from fxpar.modules import module_table
 from fxpar.pipeline import Context, run_pipeline
 from fxpar.plan import Plan, as_plan
 from fxpar.schedules import Schedule, make_schedule
@@ -124,7 +125,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     mb_inputs = _microbatch_inputs(flat, mesh, m)
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    ctx = Context(model=model, plan=plan, timings=timings)
+    ctx = Context(modules=module_table(model, plan.tp), plan=plan, timings=timings)
     if n_stages == 1:
         programs = [capture(model, mesh, tuple(mb_inputs))]
         timings["capture"] = time.perf_counter() - start

@@ -5,16 +5,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import torch
-
+from fxpar.modules import ModuleTable
 from fxpar.plan import Plan
 
 
 @dataclass
 class Context:
-    """What passes may read besides the Program: the user's model and plan, and timings."""
+    """What passes may read besides the Program: the module table and the plan, and timings."""
 
-    model: torch.nn.Module
+    modules: ModuleTable  # what the passes know of the user's modules (recorded at capture; never the live model)
     plan: Plan
     timings: dict[str, float] = field(default_factory=dict)
     debug: int = int(os.environ.get("FXPAR_DEBUG", "0"))

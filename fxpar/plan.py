@@ -9,14 +9,16 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.errors import PlanError, close_matches
-from fxpar.hf_plan import hf_tp_plan
+
+if TYPE_CHECKING:
+    from fxpar.modules import ModuleInfo, ModuleTable
 
 STYLES = ("colwise", "rowwise", "replicate")
 SUPPORTED_AXES = ("pp", "dp", "ep", "cp", "tp")
@@ -122,16 +124,16 @@ def _check_context(plan: Plan, axes: dict[str, int], have: str) -> None:
         raise PlanError(f"Plan(fp8=...) with a cp axis ({have}) is not supported yet")
 
 
-def resolve_plan(model: torch.nn.Module, plan: dict[str, str] | None) -> dict[str, str]:
+def resolve_plan(modules: ModuleTable, plan: dict[str, str] | None) -> dict[str, str]:
     """Expand globs to ``{module path: style}``; every glob must match at least one module. ``"hf"`` is the
-    model's own Hugging Face plan (``fxpar.hf_plan``)."""
+    model's own Hugging Face plan (``fxpar.hf_plan``, read when the module table was recorded)."""
     if plan is None:
         return {}
     if plan == "hf":
-        plan = hf_tp_plan(model)
+        plan = modules.hf_plan
     if not isinstance(plan, dict):
         raise PlanError(f"Plan(tp=...) must be a dict of module-path globs to styles, got {type(plan).__name__}")
-    paths = [name for name, _ in model.named_modules() if name]
+    paths = modules.paths()
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
         if style not in STYLES:
@@ -140,7 +142,7 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, str] | None) -> dict[st
         if not matched:
             hint = close_matches(pattern, paths) or close_matches(pattern.replace("*", "0"), paths)
             raise PlanError(
-                f"plan glob {pattern!r} matches no module of {type(model).__name__}"
+                f"plan glob {pattern!r} matches no module of {modules.model_type}"
                 + (f"; did you mean: {', '.join(hint)}?" if hint else "")
             )
         for p in matched:
@@ -148,19 +150,18 @@ def resolve_plan(model: torch.nn.Module, plan: dict[str, str] | None) -> dict[st
     return resolved
 
 
-def param_tp_placement(module: torch.nn.Module, path: str, param: str, style: str) -> Placement:
+def param_tp_placement(module: ModuleInfo, path: str, param: str, style: str) -> Placement:
     """The tensor-parallel placement of ``module.<param>`` under ``style``."""
     if style == "replicate":
         return Replicate()
-    kind = type(module).__name__
-    if isinstance(module, torch.nn.Linear):
+    if module.kind == "linear":
         out_dim, in_dim = 0, 1
-    elif kind == "Conv1D" and hasattr(module, "nf"):  # HF GPT-2 style: weight is (in, out)
+    elif module.kind == "conv1d":  # HF GPT-2 style: weight is (in, out)
         out_dim, in_dim = 1, 0
-    elif isinstance(module, torch.nn.Embedding) and style == "colwise":
+    elif module.kind == "embedding" and style == "colwise":
         return Shard(1)
     else:
-        raise PlanError(f"{path} ({kind}): style {style!r} is supported on nn.Linear, HF Conv1D and "
+        raise PlanError(f"{path} ({module.type_name}): style {style!r} is supported on nn.Linear, HF Conv1D and "
                         "nn.Embedding (colwise) modules")
     if param == "bias":
         return Shard(0) if style == "colwise" else Replicate()

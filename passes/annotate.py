@@ -9,14 +9,13 @@ from fxpar.errors import PlanError, close_matches
 from fxpar.ir import Program, batch_placements
 from fxpar.pass_context import Context
 from fxpar.plan import SUPPORTED_AXES, check_shardable, param_tp_placement, resolve_plan
-from fxpar.rules.token_local import is_hf_experts
 from fxpar.split import CONTEXT_AXIS, sequence_length
 
 
 def annotate(prog: Program, ctx: Context) -> Program:
     """Seed placements of parameters, buffers and user inputs.
 
-    Requires: a captured Program; ``ctx.plan`` globs over ``ctx.model.named_modules()``.
+    Requires: a captured Program; ``ctx.plan`` globs over the module paths of ``ctx.modules``.
     Ensures: every param/buffer/input placeholder has a placement per mesh axis: ``dp``
     shards inputs on dim 0 and replicates state; ``tp`` applies the plan (replicate otherwise);
     ``ep`` shards HF experts modules' weights on their experts dim (dim 0) and, like dp, the batch;
@@ -30,17 +29,17 @@ def annotate(prog: Program, ctx: Context) -> Program:
     """
     mesh = prog.mesh
     for axis in mesh.names:
-        if axis == "ep" and not any(p and is_hf_experts(m) for p, m in ctx.model.named_modules()):
-            raise PlanError(_no_expert_parallel(ctx.model))
+        if axis == "ep" and not ctx.modules.of_kind("experts"):
+            raise PlanError(_no_expert_parallel(ctx.modules.model_type))
         if axis not in SUPPORTED_AXES:
             hint = close_matches(axis, list(SUPPORTED_AXES))
             raise PlanError(f"mesh axis {axis!r} is not supported; use {SUPPORTED_AXES}"
                             + (f" (did you mean {hint[0]!r}?)" if hint else ""))
     _check_sequence(prog)
-    styles = resolve_plan(ctx.model, ctx.plan.tp)
+    styles = resolve_plan(ctx.modules, ctx.plan.tp)
     if styles and "tp" not in mesh.axes:
         raise PlanError("the plan shards modules over 'tp', but the mesh has no 'tp' axis")
-    modules = dict(ctx.model.named_modules())
+    modules = ctx.modules
     placements = {}
     for fqn, name in prog.signature.params:
         path, _, pname = fqn.rpartition(".")
@@ -48,7 +47,7 @@ def annotate(prog: Program, ctx: Context) -> Program:
         for axis, n in mesh.axes.items():
             style = styles.get(path, "replicate") if axis == "tp" else "replicate"
             if axis == "ep" and n > 1:
-                per_axis.append(Shard(0) if is_hf_experts(modules[path]) else Replicate())  # experts dim
+                per_axis.append(Shard(0) if modules[path].kind == "experts" else Replicate())  # experts dim
             else:
                 per_axis.append(param_tp_placement(modules[path], path, pname, style) if n > 1 else Replicate())
         placements[name] = tuple(per_axis)  # a dim the axis does not divide is split as DTensor does
@@ -96,6 +95,6 @@ def _check_sequence(prog: Program) -> None:
                          f"multiple of {2 * cp} (with the padding masked out of the loss) or use a smaller cp axis")
 
 
-def _no_expert_parallel(model: torch.nn.Module) -> str:
-    return (f"mesh axis 'ep' shards the experts of MoE layers, but {type(model).__name__} has no experts module "
+def _no_expert_parallel(model_type: str) -> str:
+    return (f"mesh axis 'ep' shards the experts of MoE layers, but {model_type} has no experts module "
             "(Hugging Face MoE experts, e.g. Mixtral's); use 'dp' to shard the batch")

@@ -13,6 +13,7 @@ from torch._guards import detect_fake_mode
 
 from fxpar.errors import FxparWarning, PlanError
 from fxpar.ir import Program, Provenance
+from fxpar.modules import ModuleTable
 from fxpar.pass_context import Context
 
 aten = torch.ops.aten
@@ -41,7 +42,7 @@ def fp8(prog: Program, ctx: Context) -> Program:
     """
     if ctx.plan.fp8 is None:
         return prog
-    chosen = choose_modules(ctx.model, ctx.plan.fp8)
+    chosen = choose_modules(ctx.modules, ctx.plan.fp8)
     gm = fx.GraphModule(prog.gm, _copy(prog.graph))  # rewrite a copy: the input Program's graph stays as it was
     provenance = dict(prog.provenance)
     weights = _weight_nodes(prog, gm.graph)
@@ -64,10 +65,10 @@ def _copy(graph: fx.Graph) -> fx.Graph:
     return out
 
 
-def choose_modules(model: torch.nn.Module, spec: str | dict[str, str]) -> dict[str, str]:
+def choose_modules(table: ModuleTable, spec: str | dict[str, str]) -> dict[str, str]:
     """``{module path: recipe}`` for a recipe name or a ``{glob: recipe}`` dict; clear errors for the rest."""
-    modules = dict(model.named_modules())
-    linears = {p: m for p, m in modules.items() if isinstance(m, torch.nn.Linear)}
+    modules = table.modules
+    linears = table.of_kind("linear")
     if isinstance(spec, str):
         _check_recipe(spec, "fp8")
         skipped = [f"{p} ({m.in_features} x {m.out_features})" for p, m in linears.items() if not _fits(m)]
@@ -85,8 +86,8 @@ def choose_modules(model: torch.nn.Module, spec: str | dict[str, str]) -> dict[s
             raise PlanError(f"fp8[{glob!r}] matches no module of the model")
         for path in matched:
             mod = modules[path]
-            if not isinstance(mod, torch.nn.Linear):
-                raise PlanError(f"fp8[{glob!r}]: module {path!r} is a {type(mod).__name__}, which has no fp8 path "
+            if mod.kind != "linear":
+                raise PlanError(f"fp8[{glob!r}]: module {path!r} is a {mod.type_name}, which has no fp8 path "
                                 "(fp8 runs nn.Linear matmuls as torch._scaled_mm)")
             if not _fits(mod):
                 raise PlanError(f"fp8[{glob!r}]: Linear {path!r} is {mod.in_features} -> {mod.out_features}; "

@@ -76,7 +76,7 @@ def propagate(prog: Program, ctx: Context) -> Program:
     boundary = stage is not None and stage.index < stage.n_stages - 1  # outputs go to the next stage, cp-sharded
     outputs = _output_targets(prog, placements, split.batch, split.seq if boundary else None)
     stream = prog.notes.get("sequence_parallel", frozenset())
-    local = TokenLocal(prog, ctx.model)
+    local = TokenLocal(prog, list(ctx.modules.of_kind("experts")))
     context = ContextPolicy(split.seq) if split.seq else None
     unruled: set[str] = set()  # ops already warned about: warn once per op per compile
     for name, idx in prog.signature.tangents:

@@ -8,6 +8,7 @@ import torch
 
 from fxpar.errors import FxparWarning
 from fxpar.ir import Program
+from fxpar.modules import ModuleTable
 from fxpar.pass_context import Context
 
 
@@ -30,7 +31,7 @@ def sequence_parallel(prog: Program, ctx: Context) -> Program:
     """
     if not ctx.plan.sequence_parallel:
         return prog
-    widths = hidden_widths(ctx.model, prog.notes.get("plan", {}))
+    widths = hidden_widths(ctx.modules, prog.notes.get("plan", {}))
     first = prog.node(prog.signature.inputs[0]).meta["val"] if prog.signature.inputs else None
     if not widths or first is None or first.ndim < 2:
         warnings.warn("fxpar: sequence_parallel is off: it needs [batch, seq, ...] inputs and a tp plan with colwise "
@@ -47,13 +48,12 @@ def sequence_parallel(prog: Program, ctx: Context) -> Program:
     return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": stream})
 
 
-def hidden_widths(model: torch.nn.Module, styles: dict[str, str]) -> set[int]:
+def hidden_widths(modules: ModuleTable, styles: dict[str, str]) -> set[int]:
     """Widths of the residual stream a tp plan implies: colwise Linears read it, rowwise Linears write it."""
-    modules = dict(model.named_modules())
     widths = set()
     for path, style in styles.items():
         mod = modules.get(path)
-        if isinstance(mod, torch.nn.Linear):
+        if mod is not None and mod.kind == "linear":
             if style == "colwise":
                 widths.add(mod.in_features)
             elif style == "rowwise":

@@ -18,6 +18,7 @@ from fxpar.capture import capture
 from fxpar.compiled import _with_sequence
 from fxpar.ir import Program
 from fxpar.models.llama import llama, llama_plan
+from fxpar.modules import module_table
 from fxpar.pipeline import Context, passes
 
 PLANS = {
@@ -49,7 +50,7 @@ def test_every_pass_leaves_its_input_unchanged(plan_name: str) -> None:
     tokens = torch.randint(0, 256, (4, 16))
     mesh = fxpar.Mesh({"dp": 2, "tp": 2}, fake=True)
     prog = _with_sequence(capture(model, mesh, (tokens,)), [tokens])
-    ctx = Context(model=model, plan=plan)
+    ctx = Context(modules=module_table(model, plan.tp), plan=plan)
     changed = []
     for name, fn in passes():
         before = snapshot(prog)

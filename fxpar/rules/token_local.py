@@ -37,8 +37,8 @@ def is_hf_experts(module: torch.nn.Module) -> bool:
 class TokenLocal:
     """The nodes of each HF experts module, and the token count ``T`` each region's inputs carry."""
 
-    def __init__(self, prog: Program, model: torch.nn.Module) -> None:
-        paths = [p for p, m in model.named_modules() if p and is_hf_experts(m)]
+    def __init__(self, prog: Program, experts_paths: list[str]) -> None:
+        paths = experts_paths
         self.region: dict[str, str] = {}
         for n in prog.graph.nodes:
             prov = prog.provenance.get(n.name)
