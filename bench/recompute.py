@@ -60,7 +60,7 @@ def measured_saved(pm: fxpar.ParallelModule, tokens: torch.Tensor) -> int:
     """Distinct local storages one forward of the rank program saves for its backward."""
     runner = pm._runners[0]
     inputs = [pm.local_param(f) for f in runner.param_fqns]
-    bufs = pm._buffers_of(0)
+    bufs = pm.stage_buffers(0)
     with torch.no_grad():
         results = runner.forward(*inputs, *bufs, tokens)
     saved = [t for t in results[runner.num_outputs:] if isinstance(t, torch.Tensor)]

@@ -14,56 +14,47 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-import torch.utils._pytree as pytree
 
-from fxpar.backends.comm import bind_groups
-from fxpar.compiled import Compiled
-from fxpar.rank_step import StepEvent, boundary_meta
-from fxpar.split import BATCH_AXIS, batch_weight, splitter
+from fxpar.rank_spec import RankSpec, StageSpec
+from fxpar.rank_step import StepEvent
 
 
 class StageRunner:
-    """One stage's bound graphs on this rank, and where its inputs and outputs go."""
+    """One stage's graphs on this rank (any callables: bound ``GraphModule``s in process, functions of a saved rank
+    file under ``fxpar.run``) and its calling convention (``StageSpec``)."""
 
-    def __init__(self, compiled: Compiled, rank: int, stage: int, names: dict[str, str]) -> None:
-        prog, rp = compiled.stages[stage], compiled.rank_program(rank, stage)
-        self.prog, self.rp = prog, rp
-        self.forward = bind_groups(rp.forward, names)
-        self.backward = bind_groups(rp.backward, names)
-        self.reduce = bind_groups(rp.reduce_grads, names) if rp.reduce_grads is not None else None
-        self.gather = bind_groups(rp.gather_params, names) if rp.gather_params is not None else None
-        self.zero_fqns = list(dict.fromkeys(fqn for fqn, _ in prog.signature.params if fqn in rp.zero))
-        sig = prog.signature
-        self.num_outputs = sig.num_outputs
-        self.tangent_outputs = [idx for _, idx in sig.tangents]
-        self.param_fqns = [fqn for fqn, _ in sig.params]
-        self.zero_positions = [i for i, fqn in enumerate(self.param_fqns) if fqn in rp.zero]
-        self.grad_fqn = {idx - sig.num_outputs: fqn for fqn, idx in sig.grads}
-        self.input_grad_pos = {name: idx - sig.num_outputs for name, idx in sig.input_grads}
-        self.stage = prog.notes.get("stage")
-        self.out_meta = [(list(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
-                         for v in (a.meta.get("val") if isinstance(a, fx.Node) else None
-                                   for a in rp.forward.graph.output_node().args[0][: sig.num_outputs])]
-        self.b = self.w = None
-        if compiled.schedule.has_w:
-            self.b = bind_groups(compiled.stage_graph(rank, stage, "backward_b"), names)
-            self.w = bind_groups(compiled.stage_graph(rank, stage, "backward_w"), names)
-
-    @property
-    def received(self) -> list[str]:
-        return list(self.stage.received) if self.stage is not None else []
+    def __init__(self, spec: StageSpec, graphs: dict[str, Callable[..., Any]]) -> None:
+        self.spec = spec
+        self.forward, self.backward = graphs["forward"], graphs["backward"]
+        self.reduce = graphs.get("reduce_grads")
+        self.gather = graphs.get("gather_params")
+        self.b, self.w = graphs.get("backward_b"), graphs.get("backward_w")
+        self.stage = spec.stage
+        self.param_fqns, self.zero_fqns, self.zero_positions = spec.param_fqns, spec.zero_fqns, spec.zero_positions
+        self.num_outputs, self.tangent_outputs = spec.num_outputs, spec.tangent_outputs
+        self.grad_fqn, self.input_grad_pos = spec.grad_fqn, spec.input_grad_pos
+        self.out_meta = spec.out_meta
 
     def reduce_into(self, results: list[Any]) -> None:
         """Replace the deferred gradients in a backward's ``results`` by their reduction (``reduce_grads``)."""
-        positions = [pos for pos, _ in self.rp.deferred]
+        positions = [pos for pos, _ in self.spec.deferred]
         for pos, g in zip(positions, self.reduce(*[results[p] for p in positions]), strict=True):
             results[pos] = g
+
+
+class RankState(Protocol):
+    """Where the executor finds a rank's parameters and buffers and leaves its gradients (``fxpar.params``)."""
+
+    def local_param(self, fqn: str) -> torch.Tensor: ...
+    def stage_buffers(self, stage: int) -> list[torch.Tensor]: ...
+    def gather_stage_params(self, runner: StageRunner) -> None: ...
+    def add_local_grad(self, fqn: str, g: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -85,22 +76,24 @@ class StepState:
     trace: list[dict[str, Any]] = field(default_factory=list)
 
 
+LossFn = Callable[[list[Any], Any], torch.Tensor]  # (the last stage's output leaves, targets) -> a batch-mean loss
+
+
 class StepExecutor:
-    """Runs a rank's step events. Built once per ParallelModule; ``run`` is one training step.
+    """Runs a rank's step events. Built once per rank; ``run`` is one training step.
 
     ``events`` is the list it runs (``fxpar.rank_step``); ``fxpar.verify(pm, events=...)`` checks a list.
+    Requires: ``runners`` for every stage the events name; ``loss_fn`` takes the output leaves (not the
+    model's output structure: the caller rebuilds it, so a saved program needs no model class).
+    Ensures: after ``run``, each gradient this rank holds was handed to ``state.add_local_grad`` once.
     """
 
-    def __init__(self, pm: Any, runners: dict[int, StageRunner], events: list[StepEvent], loss_fn: Any) -> None:
-        self.pm, self.runners, self.events, self.loss_fn = pm, runners, events, loss_fn
-        compiled = pm._compiled
-        self.compiled, self.mesh, self.rank = compiled, compiled.mesh, pm._rank
-        self.m = compiled.microbatches
-        self.reduce_each_microbatch = compiled.plan.zero >= 2  # ZeRO-2: reduce-scatter after every backward
-        self.n_stages = len(compiled.stages)
-        coord = self.mesh.coord(self.rank)
-        self.recv_meta = {s: boundary_meta(p, coord) for s, p in enumerate(compiled.stages) if s > 0}
-        self.tie_groups = dict(pm._tie_groups)
+    def __init__(self, state: RankState, runners: dict[int, StageRunner], events: list[StepEvent], spec: RankSpec,
+                 loss_fn: LossFn, tie_groups: dict[str, Any]) -> None:
+        self.state, self.runners, self.events, self.spec = state, runners, events, spec
+        self.loss_fn, self.tie_groups = loss_fn, tie_groups
+        self.rank, self.m = spec.rank, spec.microbatches
+        self.recv_meta = spec.recv_meta
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, mb_inputs: list[list[Any]], mb_targets: list[Any], trace: str | None) -> torch.Tensor:
@@ -115,7 +108,7 @@ class StepExecutor:
                                      "dur": (time.perf_counter() - start) * 1e6, "pid": 0, "tid": self.rank,
                                      "cat": event.kind})
             for fqn, g in self.totals(st).items():
-                self.pm.add_local_grad(fqn, g)
+                self.state.add_local_grad(fqn, g)
         if trace is not None:
             self.write_trace(trace, st.trace)
         assert st.loss is not None, "a step's events end with the loss"
@@ -153,22 +146,22 @@ class StepExecutor:
             raise AssertionError(f"unknown step event {e.kind!r}")
 
     def params(self, runner: StageRunner) -> list[torch.Tensor]:
-        return [self.pm.local_param(fqn) for fqn in runner.param_fqns]
+        return [self.state.local_param(fqn) for fqn in runner.param_fqns]
 
     def gather(self, s: int) -> None:
         """ZeRO-1/2: this stage's parameters, all-gathered from their dp shards for the step."""
-        self.pm.gather_stage_params(self.runners[s])
+        self.state.gather_stage_params(self.runners[s])
 
     def forward(self, s: int, mb: int, st: StepState, inputs: list[Any], targets: Any) -> None:
         r = self.runners[s]
         received = st.inbox.pop((s, mb), []) if s > 0 else []
-        user = [inputs[i] for i in r.stage.user_inputs] if r.stage is not None else inputs
+        user = [inputs[i] for i in r.spec.user_inputs] if r.spec.user_inputs is not None else inputs
         tensors = [x for x in user if isinstance(x, torch.Tensor)]
-        results = r.forward(*self.params(r), *self.pm._buffers_of(s), *received, *tensors)
+        results = r.forward(*self.params(r), *self.state.stage_buffers(s), *received, *tensors)
         outs, st.saved[(s, mb)] = list(results[: r.num_outputs]), list(results[r.num_outputs:])
-        if s == self.n_stages - 1:
+        if s == self.spec.n_stages - 1:
             st.losses[mb] = self.loss(outs, targets)
-        elif self.compiled.schedule.stage_rank(s + 1) == self.compiled.schedule.stage_rank(s):
+        elif s in self.spec.local_next:
             st.inbox[(s + 1, mb)] = outs  # the next stage is on this rank: hand over locally
         else:
             st.outputs[(s, mb)] = outs
@@ -176,19 +169,18 @@ class StepExecutor:
     def loss(self, outs: list[torch.Tensor], targets: Any) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         leaves = [o.detach().requires_grad_() if isinstance(o, torch.Tensor) and o.is_floating_point() else o
                   for o in outs]
-        structured = pytree.tree_unflatten(leaves, self.compiled.out_spec)
         with torch.enable_grad():
-            loss = self.loss_fn(structured, targets) if targets is not None else self.loss_fn(structured)
+            loss = self.loss_fn(leaves, targets)
             (loss / self.m).backward()
         return loss.detach(), [x.grad if isinstance(x, torch.Tensor) else None for x in leaves]
 
     def tangents_for(self, s: int, mb: int, st: StepState) -> list[torch.Tensor]:
         r = self.runners[s]
-        if s == self.n_stages - 1:
+        if s == self.spec.n_stages - 1:
             grads = st.losses[mb][1]
         else:
             by_name = st.tangents.pop((s, mb), {})
-            grads = [by_name.get(name) for name in r.stage.sent]
+            grads = [by_name.get(name) for name in r.spec.sent]
         out = []
         for idx in r.tangent_outputs:
             g = grads[idx]
@@ -218,7 +210,7 @@ class StepExecutor:
         self.param_grads(r, s, mb, results, st)
 
     def hand_back(self, s: int, mb: int, grads: list[torch.Tensor], st: StepState) -> None:
-        if self.compiled.schedule.stage_rank(s - 1) == self.compiled.schedule.stage_rank(s):
+        if s - 1 in self.spec.local_next:
             names = [b.value for b in self.recv_meta[s] if b.has_grad]
             st.tangents[(s - 1, mb)] = dict(zip(names, grads, strict=True))
         else:
@@ -227,7 +219,7 @@ class StepExecutor:
     def param_grads(self, r: StageRunner, s: int, mb: int, results: Any, st: StepState) -> None:
         """A backward's parameter gradients: ZeRO-2 keeps them for this microbatch's ``reduce`` event (so a whole
         gradient never outlives the backward that produced it); otherwise they are added to the stage's sums."""
-        if self.reduce_each_microbatch and r.reduce is not None:
+        if self.spec.reduce_each_microbatch and r.reduce is not None:
             st.unreduced[(s, mb)] = list(results)
         else:
             self.accumulate(r, s, results, st)
@@ -249,7 +241,7 @@ class StepExecutor:
             self.accumulate(r, s, results, st)
             return
         acc = st.grads[s]
-        names = [fqn for _, fqn in r.rp.deferred]
+        names = [fqn for _, fqn in r.spec.deferred]
         acc.update(zip(names, r.reduce(*[acc[fqn] for fqn in names]), strict=True))
 
     def totals(self, st: StepState) -> dict[str, torch.Tensor]:
@@ -279,18 +271,10 @@ class StepExecutor:
         """The mean loss over microbatches and dp ranks, on every rank (one world all-reduce of a scalar)."""
         value = torch.zeros((), dtype=torch.float64)
         if st.losses:
-            per_rank = self.mesh.size // self.compiled.pp
-            value = torch.stack([loss.double() for loss, _ in st.losses.values()]).mean() / per_rank
-            value = value * self.uneven_batch_weight()
+            value = torch.stack([loss.double() for loss, _ in st.losses.values()]).mean() / self.spec.loss_divisor
+            value = value * self.spec.batch_weight
         dist.all_reduce(value)
         return value.float()
-
-    def uneven_batch_weight(self) -> float:
-        """How much this rank's batch-mean loss weighs against ``1 / dp`` (``fxpar.split.batch_weight``)."""
-        if self.mesh.axes.get(BATCH_AXIS, 1) == 1:
-            return 1.0
-        coord = self.mesh.coord(self.rank)[self.mesh.axis_index(BATCH_AXIS)]
-        return batch_weight(splitter(self.compiled.stages[-1]), coord, self.mesh)
 
     def write_trace(self, path: str, events: list[dict[str, Any]]) -> None:
         gathered: list[Any] = [None] * dist.get_world_size()

@@ -7,13 +7,77 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
 
+from fxpar.backends.comm import bind_groups
 from fxpar.compiled import Compiled
 from fxpar.executor import StageRunner
+from fxpar.ir import Program
 from fxpar.mesh import Mesh
+from fxpar.rank_spec import stage_spec
 from fxpar.rank_step import tie_holders, tie_ranks
+
+
+class RankParameters(torch.nn.Module):
+    """A rank's parameters (DTensors registered under their model paths), its stage buffers and bound stage
+    runners: what the step executor reads and writes (``fxpar.executor.RankState``). ``ParallelModule`` is one;
+    ``fxpar.run`` builds one from a saved folder, without the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._runners: dict[int, StageRunner] = {}
+        self._stage_buffers: dict[int, list[torch.Tensor]] = {}
+        self._gathered: dict[str, torch.Tensor] = {}  # ZeRO: tp-local parameters gathered for the current step
+
+    def local_param(self, fqn: str) -> torch.Tensor:
+        """What the rank's graphs compute with: the local shard, or (ZeRO, inside ``pm.step``) the gathered one."""
+        if fqn in self._gathered:
+            return self._gathered[fqn]
+        p = self.get_parameter(fqn)
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    def gather_params(self) -> None:
+        """ZeRO-1/2: all-gather every dp-sharded parameter this rank holds (its stages' ``gather_params`` graphs)."""
+        for runner in self._runners.values():
+            if runner.gather is not None:
+                self.gather_stage_params(runner)
+
+    def gather_stage_params(self, runner: StageRunner) -> None:
+        """ZeRO-1/2: run one stage's ``gather_params`` graph on this rank's shards; keep the working copies."""
+        shards = [self.get_parameter(f).to_local() for f in runner.zero_fqns]
+        self._gathered.update(zip(runner.zero_fqns, runner.gather(*shards), strict=True))
+
+    def release_params(self) -> None:
+        """Drop the gathered copies (after a step: the optimizer updates the shards)."""
+        self._gathered.clear()
+
+    def stage_buffers(self, stage: int) -> list[torch.Tensor]:
+        """The buffers ``stage``'s forward takes after the parameters (``StageSpec.buffer_fqns``)."""
+        return self._stage_buffers[stage]
+
+    def add_local_grad(self, fqn: str, g: torch.Tensor) -> None:
+        """Accumulate a local gradient shard into the parameter's ``.grad`` (a DTensor like the parameter)."""
+        p = self.get_parameter(fqn)
+        grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride()) if isinstance(p, DTensor) else g
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad = p.grad + grad
+
+
+def register_param(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
+    """Register ``param`` on ``root`` under the dotted path ``fqn`` (creating empty submodules on the way)."""
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part) or not isinstance(getattr(mod, part), torch.nn.Module):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, param)
 
 
 def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Module, rank: int
@@ -22,7 +86,7 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
     parameter as its dp shard); return its buffers and bound stage runners per stage, and its tied-weight groups."""
     mesh = compiled.mesh
     dm = mesh.device_mesh()
-    param_mesh, keep = _param_mesh(mesh, dm)
+    pmesh = param_mesh(mesh, dm)
     on_cuda = mesh.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     state = dict(model.named_parameters())
@@ -37,34 +101,55 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
             p = state[fqn]
             if p.is_meta:
                 raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
-            placements = [pl for pl, k in zip(prog.placements[name], keep, strict=True) if k] or [Replicate()]
-            if fqn in prog.notes.get("zero", {}):  # ZeRO: stored as this rank's dp shard
-                dp_index = [a for a in mesh.names if a != "pp"].index("dp")
-                placements[dp_index] = Shard(prog.notes["zero"][fqn])
-            dt = distribute_tensor(p.detach().to(device), param_mesh, placements)
-            _register_path(root, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
+            dt = distribute_tensor(p.detach().to(device), pmesh, param_placements(prog, fqn, name))
+            register_param(root, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
         stage_buffers[s] = [buffers[fqn].detach().to(device) for fqn, _ in prog.signature.buffers]
         rp = compiled.rank_program(rank, s)
-        names = {sym: _group_name(dm, sym) for sym in rp.groups}
-        runners[s] = StageRunner(compiled, rank, s, names)
+        names = {sym: group_name(dm, sym) for sym in rp.groups}
+        runners[s] = StageRunner(stage_spec(compiled, rank, s), bound_graphs(compiled, rank, s, names))
     return stage_buffers, runners, _tie_groups(compiled, rank)
 
 
-def _param_mesh(mesh: Mesh, dm: DeviceMesh) -> tuple[DeviceMesh, list[bool]]:
-    """The mesh parameters live on (every axis but ``pp``: a stage's ranks) and which axes it keeps."""
-    keep = [name != "pp" for name in mesh.names]
+def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str]) -> dict[str, fx.GraphModule]:
+    """Every graph a step event of ``rank``'s ``stage`` may run, with its collectives bound to real groups."""
+    rp = compiled.rank_program(rank, stage)
+    graphs = {"forward": rp.forward, "backward": rp.backward, "reduce_grads": rp.reduce_grads,
+              "gather_params": rp.gather_params}
+    if compiled.schedule.has_w:
+        graphs["backward_b"] = compiled.stage_graph(rank, stage, "backward_b")
+        graphs["backward_w"] = compiled.stage_graph(rank, stage, "backward_w")
+    return {name: bind_groups(gm, names) for name, gm in graphs.items() if gm is not None}
+
+
+def param_placements(prog: Program, fqn: str, name: str) -> list[Placement]:
+    """How parameter ``fqn`` (placeholder ``name`` of ``prog``) is stored on ``param_mesh``: its placements on
+    every axis but ``pp`` (``[Replicate()]`` when ``pp`` is the only axis), dp-sharded under ZeRO."""
+    names = prog.mesh.names
+    placements = [pl for pl, a in zip(prog.placements[name], names, strict=True) if a != "pp"] or [Replicate()]
+    if fqn in prog.notes.get("zero", {}):  # ZeRO: stored as this rank's dp shard
+        placements[[a for a in names if a != "pp"].index("dp")] = Shard(prog.notes["zero"][fqn])
+    return placements
+
+
+def param_mesh(mesh: Mesh, dm: DeviceMesh) -> DeviceMesh:
+    """The mesh parameters live on: every axis but ``pp`` (a stage's ranks)."""
     names = tuple(n for n in mesh.names if n != "pp")
     if len(names) == len(mesh.names):
-        return dm, keep
+        return dm
     if names:
-        return dm[names], keep
+        return dm[names]
     pp = mesh.axes["pp"]
     solo = DeviceMesh(mesh.device, torch.arange(mesh.size).reshape(pp, 1), mesh_dim_names=("pp", "stage"))
-    return solo["stage"], keep  # a mesh of this rank alone: parameters replicated on it
+    return solo["stage"]  # a mesh of this rank alone: parameters replicated on it
 
 
-def _group_name(dm: DeviceMesh, symbolic: str) -> str:
-    return dm.get_group(symbolic.split("[")[0]).group_name
+def axis_group(dm: DeviceMesh, symbolic: str) -> dist.ProcessGroup:
+    """The process group of a lowered graph's symbolic group (``"tp[2,3]"``: this rank's group of axis ``tp``)."""
+    return dm.get_group(symbolic.split("[")[0])
+
+
+def group_name(dm: DeviceMesh, symbolic: str) -> str:
+    return axis_group(dm, symbolic).group_name
 
 
 def _tie_groups(compiled: Compiled, rank: int) -> list[tuple[str, Any]]:
@@ -93,13 +178,3 @@ def _has_path(root: torch.nn.Module, fqn: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-def _register_path(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
-    *path, leaf = fqn.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part) or not isinstance(getattr(mod, part), torch.nn.Module):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    mod.register_parameter(leaf, param)

@@ -13,19 +13,19 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
 
-from fxpar.backends.emit import save_programs
+from fxpar.backends.emit import SaveSources, save_programs
 from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
-from fxpar.executor import StageRunner, StepExecutor
+from fxpar.executor import LossFn, StageRunner, StepExecutor
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow, RankProgram
 from fxpar.memory import Memory
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
-from fxpar.params import materialize
+from fxpar.params import RankParameters, materialize
 from fxpar.plan import Plan
 from fxpar.printer import ledger_table, print_rank_programs
+from fxpar.rank_spec import rank_spec
 from fxpar.rank_step import StepEvent, rank_step, step_ledger
 from fxpar.schedules import Schedule
 from fxpar.stages import node_cost
@@ -58,7 +58,7 @@ class _RankStep(torch.autograd.Function):
         param_grads = list(runner.backward(*ctx.saved, *tangents))
         ctx.saved = None
         if runner.reduce is not None:  # the dp reduction, once per backward on this path
-            positions = [pos for pos, _ in runner.rp.deferred]
+            positions = [pos for pos, _ in runner.spec.deferred]
             for pos, g in zip(positions, runner.reduce(*[param_grads[p] for p in positions]), strict=True):
                 param_grads[pos] = g
         out: list[torch.Tensor | None] = [None] * ctx.n_inputs
@@ -68,7 +68,17 @@ class _RankStep(torch.autograd.Function):
         return (None, *out)
 
 
-class ParallelModule(torch.nn.Module):
+def structured_loss(loss_fn: Callable[..., torch.Tensor], out_spec: Any) -> LossFn:
+    """``loss_fn(outputs, targets)`` (or ``loss_fn(outputs)`` without targets) on the output leaves the last stage
+    returns, rebuilt into the model's output structure."""
+    def flat_loss(leaves: list[Any], targets: Any) -> torch.Tensor:
+        outputs = pytree.tree_unflatten(leaves, out_spec)
+        return loss_fn(outputs, targets) if targets is not None else loss_fn(outputs)
+
+    return flat_loss
+
+
+class ParallelModule(RankParameters):
     """The model compiled for one rank of a mesh.
 
     ``pm.step(inputs..., targets)`` runs forward and backward of every microbatch per the pipeline
@@ -81,13 +91,14 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         self._compiled = compiled
         self._loss_fn = loss_fn
-        self._runners: dict[int, StageRunner] = {}
         self._executor: StepExecutor | None = None
         self._rank = rank
         self._tie_groups: list[tuple[str, Any]] = []
-        self._stage_buffers: dict[int, list[torch.Tensor]] = {}
-        self._gathered: dict[str, torch.Tensor] = {}  # ZeRO: tp-local parameters gathered for the current step
         self.timings: dict[str, float] = dict(compiled.timings)
+        self._save_sources = SaveSources({}, {}, loss_fn)
+        if model is not None:  # what pm.save writes beside the programs (references, no copies)
+            self._save_sources = SaveSources(dict(model.named_buffers()),
+                                             {fqn: p.requires_grad for fqn, p in model.named_parameters()}, loss_fn)
         if rank is not None and model is not None:
             self._materialize(model)
 
@@ -187,48 +198,19 @@ class ParallelModule(torch.nn.Module):
         return graphs
 
     def save(self, folder: str) -> list[str]:
-        """Write each rank's program as a standalone Python file plus ``manifest.json``."""
-        return save_programs(self._compiled, folder)
+        """Write every rank's training executable into ``folder``: ``rank<r>.py`` (its programs, step events and
+        parameter layout), ``rank<r>.pt`` (buffers, constants) and ``manifest.json``; ``python -m fxpar.run
+        folder --checkpoint ...`` trains with them, without the model's code. Returns the ``.py`` paths.
+
+        Any rank (or a fake-mesh module built from a model with real buffers) may call it; saving the same
+        compiled model twice writes the same bytes. Weights are not in the folder: ``fxpar.checkpoint.save``.
+        """
+        return save_programs(self._compiled, folder, self._save_sources)
 
     # -- execution ----------------------------------------------------------------------------
     def _materialize(self, model: torch.nn.Module) -> None:
         """This rank's parameters as DTensors (registered under their model paths), its buffers and bound graphs."""
         self._stage_buffers, self._runners, self._tie_groups = materialize(self, self._compiled, model, self._rank)
-
-    def local_param(self, fqn: str) -> torch.Tensor:
-        """What the rank's graphs compute with: the local shard, or (ZeRO, inside ``pm.step``) the gathered one."""
-        if fqn in self._gathered:
-            return self._gathered[fqn]
-        p = self.get_parameter(fqn)
-        return p.to_local() if isinstance(p, DTensor) else p
-
-    def gather_params(self) -> None:
-        """ZeRO-1/2: all-gather every dp-sharded parameter this rank holds (its stages' ``gather_params`` graphs)."""
-        for runner in self._runners.values():
-            if runner.gather is not None:
-                self.gather_stage_params(runner)
-
-    def gather_stage_params(self, runner: StageRunner) -> None:
-        """ZeRO-1/2: run one stage's ``gather_params`` graph on this rank's shards; keep the working copies."""
-        shards = [self.get_parameter(f).to_local() for f in runner.zero_fqns]
-        self._gathered.update(zip(runner.zero_fqns, runner.gather(*shards), strict=True))
-
-    def release_params(self) -> None:
-        """Drop the gathered copies (after a step: the optimizer updates the shards)."""
-        self._gathered.clear()
-
-    def _buffers_of(self, stage: int) -> list[torch.Tensor]:
-        return self._stage_buffers[stage]
-
-    def add_local_grad(self, fqn: str, g: torch.Tensor) -> None:
-        """Accumulate a local gradient shard into the parameter's ``.grad`` (a DTensor like the parameter)."""
-        p = self.get_parameter(fqn)
-        grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride()) if isinstance(p, DTensor) else g
-        if p.grad is None:
-            p.grad = grad
-        else:
-            p.grad = p.grad + grad
 
     def _check_runnable(self) -> None:
         if not self._runners:
@@ -246,7 +228,7 @@ class ParallelModule(torch.nn.Module):
         flat, _ = flat_user_inputs(c, inputs)
         local = [self.local_param(fqn) for fqn in runner.param_fqns]
         tensors = [x for x in pytree.tree_leaves(flat) if isinstance(x, torch.Tensor)]
-        outs = _RankStep.apply(runner, *local, *self._buffers_of(0), *tensors)
+        outs = _RankStep.apply(runner, *local, *self.stage_buffers(0), *tensors)
         return pytree.tree_unflatten(list(outs), c.out_spec)
 
     def step(self, *args: Any, trace: str | None = None) -> torch.Tensor:
@@ -274,5 +256,6 @@ class ParallelModule(torch.nn.Module):
             raise ValueError("pm.step needs a loss: pass loss_fn=... to fxpar.parallelize")
         if self._executor is None:
             c = self._compiled
-            self._executor = StepExecutor(self, self._runners, rank_step(c, self._rank), self._loss_fn)
+            self._executor = StepExecutor(self, self._runners, rank_step(c, self._rank), rank_spec(c, self._rank),
+                                          structured_loss(self._loss_fn, c.out_spec), dict(self._tie_groups))
         return self._executor

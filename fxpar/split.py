@@ -39,6 +39,23 @@ def batch_ranks(mesh: Any) -> int:
     return mesh.axes.get("dp", 1) * mesh.axes.get("ep", 1)
 
 
+def rank_batch(x: torch.Tensor, mesh: Any, rank: int) -> torch.Tensor:
+    """``rank``'s piece of a global batch ``x`` (dim 0): ``torch.tensor_split`` over dp, then over ep, in mesh
+    order. It is what ``pm.step`` takes on that rank (every rank of a tp, cp or pp group takes the same piece)."""
+    coord = mesh.coord(rank)
+    for a in (a for a in mesh.names if a in BATCH_AXES and mesh.axes[a] > 1):
+        x = x.tensor_split(mesh.axes[a])[coord[mesh.axis_index(a)]]
+    return x
+
+
+def rank_batch_size(batch: int, mesh: Any, rank: int) -> int:
+    """How many rows of a global batch of ``batch`` rows ``rank_batch`` gives ``rank``."""
+    coord = mesh.coord(rank)
+    for a in (a for a in mesh.names if a in BATCH_AXES and mesh.axes[a] > 1):
+        batch = balanced_sizes(batch, mesh.axes[a])[coord[mesh.axis_index(a)]]
+    return batch
+
+
 def chunk_sizes(total: int, n: int) -> list[int]:
     """DTensor's (``torch.chunk``'s) piece sizes of a dim of ``total`` over ``n`` ranks."""
     ceil = -(-total // n)

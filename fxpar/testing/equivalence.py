@@ -37,7 +37,7 @@ import fxpar
 from fxpar import serialize
 from fxpar.api import compile_program
 from fxpar.compiled import Compiled
-from fxpar.split import BATCH_AXES, Splitter, batch_ranks, batch_weight, chunk_sizes
+from fxpar.split import BATCH_AXES, Splitter, batch_ranks, batch_weight, chunk_sizes, rank_batch
 from fxpar.testing.collectives import LOSS_REPORT, CollectiveCounter, ledger_mismatch
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
 from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
@@ -351,20 +351,15 @@ def _build_twice(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def _dp_shard(inputs: tuple[Any, ...], mesh: fxpar.Mesh, rank: int) -> tuple[Any, ...]:
-    """This rank's batch piece of each batched input: ``torch.tensor_split`` over dp, then over ep (the batch axes,
-    in mesh order), as fxpar splits a batch."""
-    axes = [a for a in mesh.names if a in BATCH_AXES and mesh.axes[a] > 1]
-    if not axes:
+    """This rank's batch piece of each batched input (``fxpar.split.rank_batch``)."""
+    if not any(a in BATCH_AXES and mesh.axes[a] > 1 for a in mesh.names):
         return inputs
     batch = _batch(inputs)  # inputs whose dim 0 is not the batch (a [1, s] table) are replicated, as fxpar does
-    coord = mesh.coord(rank)
 
     def piece(x: Any) -> Any:
         if not (isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch):
             return x
-        for a in axes:
-            x = x.tensor_split(mesh.axes[a])[coord[mesh.axis_index(a)]]
-        return x
+        return rank_batch(x, mesh, rank)
 
     return _map(piece, inputs)
 

@@ -48,7 +48,7 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
     saved_bytes = None
     if first == 0:  # the first stage runs on the user's inputs alone: one forward of microbatch 0
         mb = local.chunk(pm._compiled.microbatches)[0]
-        bufs = pm._buffers_of(first)
+        bufs = pm.stage_buffers(first)
         with torch.no_grad():
             pm.gather_params()  # ZeRO-1/2: the step's working copies (ZeRO-3 gathers inside the graph)
             inputs = [pm.local_param(f) for f in runner.param_fqns]
