@@ -35,7 +35,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
         mesh.device_mesh()  # validates the world size before any work
         rank = dist.get_rank()
     compiled = compile_program(model, mesh, example_inputs, plan, loss_fn=loss_fn)
-    pm = ParallelModule(compiled, None if mesh.fake else model, rank, loss_fn=loss_fn)
+    pm = ParallelModule(compiled, model, rank, loss_fn=loss_fn)
     verify(pm)
     return pm
 

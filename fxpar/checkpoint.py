@@ -9,6 +9,8 @@ renamed module is a clear error instead of a failure deep inside DCP (or a hang 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -23,11 +25,19 @@ from fxpar.errors import CheckpointError, close_matches
 
 
 def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
-    """Save ``module``'s (and ``optimizer``'s) state to the DCP folder ``path``; collective over the ranks."""
+    """Save ``module``'s (and ``optimizer``'s) state to the DCP folder ``path``; collective over the ranks.
+
+    Without a process group it saves from this process alone: ``save(model, None, path)`` of the single-device
+    model gives a checkpoint any mesh and plan loads (``fxpar.run --checkpoint``)."""
     state = {"model": get_model_state_dict(module)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(module, optimizer)
-    dcp.save(state, checkpoint_id=path)
+    if dist.is_available() and dist.is_initialized():
+        dcp.save(state, checkpoint_id=path)
+        return
+    with warnings.catch_warnings():  # DCP warns that it assumes one process: that is what was asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=path, no_dist=True)
 
 
 def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
@@ -48,20 +58,34 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
 
 def saved_names(path: str) -> list[str]:
     """The model state names a DCP checkpoint holds (its ``model.`` entries, prefix removed)."""
+    return sorted(saved_shapes(path))
+
+
+def saved_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
+    """Model state name -> the global shape the checkpoint holds (None for a non-tensor entry)."""
     metadata = dcp.FileSystemReader(path).read_metadata()
-    return sorted(k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model."))
+    return {k.removeprefix("model."): tuple(m.size) if hasattr(m, "size") else None
+            for k, m in metadata.state_dict_metadata.items() if k.startswith("model.")}
+
+
+def has_optimizer(path: str) -> bool:
+    """Whether the checkpoint at ``path`` holds optimizer state (``save`` was given an optimizer)."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return any(k.startswith("optim.") for k in metadata.state_dict_metadata)
 
 
 def check_names(module: torch.nn.Module, path: str) -> None:
-    """Raise ``CheckpointError`` unless ``path`` holds every name in ``module``'s state dict.
+    """Raise ``CheckpointError`` unless ``path`` holds every name in ``module``'s state dict, each with its shape.
 
     Extra names in the checkpoint are fine (a pipeline rank holds only its stages' parameters). With
     ``torch.distributed`` initialized every rank learns whether any rank is missing names, so all
     raise together and none is left waiting inside DCP's collectives.
     """
-    have = saved_names(path)
-    missing = sorted(set(get_model_state_dict(module)) - set(have))
-    message = _describe(missing, have, path) if missing else ""
+    shapes = saved_shapes(path)
+    have = sorted(shapes)
+    expected = get_model_state_dict(module)
+    missing = sorted(set(expected) - set(have))
+    message = _describe(missing, have, path) if missing else _wrong_shape(expected, shapes, path)
     if dist.is_available() and dist.is_initialized():
         messages: list[str] = [""] * dist.get_world_size()
         dist.all_gather_object(messages, message)
@@ -70,6 +94,16 @@ def check_names(module: torch.nn.Module, path: str) -> None:
             message = f"rank(s) {bad} cannot load {path!r}: {messages[bad[0]]}"
     if message:
         raise CheckpointError(message)
+
+
+def _wrong_shape(expected: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...] | None], path: str) -> str:
+    """A message naming the first parameter whose saved shape is not the module's ("" when all match)."""
+    for name, value in sorted(expected.items()):
+        want = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        if want is not None and shapes.get(name) is not None and shapes[name] != want:
+            return (f"checkpoint {path!r} holds {name!r} with shape {list(shapes[name])}, the module's is "
+                    f"{list(want)}: it was saved from another model")
+    return ""
 
 
 def _describe(missing: list[str], have: list[str], path: str) -> str:

@@ -21,6 +21,10 @@ class CheckpointError(ValueError):
     """A checkpoint does not hold what the module being loaded expects (a parameter name it lacks)."""
 
 
+class SavedProgramError(ValueError):
+    """A saved program folder cannot run as asked (another fxpar version, another world size, missing data)."""
+
+
 def close_matches(word: str, candidates: list[str], n: int = 5) -> list[str]:
     """Candidates that look like ``word``, best first (for 'did you mean' hints)."""
     return difflib.get_close_matches(word, candidates, n=n, cutoff=0.4)
