@@ -1,0 +1,173 @@
+"""Train with a saved program folder: ``torchrun --nproc_per_node N -m fxpar.run FOLDER --checkpoint CKPT --steps K``.
+
+Each process runs its rank's file of ``FOLDER`` (``pm.save``): it builds the process groups from the manifest,
+loads its parameter shards (and the optimizer state, when the checkpoint has it) from a checkpoint written
+by ``fxpar.checkpoint.save``, and runs ``K`` training steps: the saved step events (forward, backward,
+pipeline transfers, gradient reductions), then ``torch.optim.AdamW(lr=--lr)`` with torch's other defaults.
+
+Data: ``--data PATH`` is a flat file of token ids (nanoGPT's ``train.bin``), read as ``numpy.memmap`` of
+``--dtype``; step ``i`` takes the ``i``-th consecutive run of ``B x (S + 1)`` tokens (wrapping around at the
+end of the file) as ``B`` rows, inputs the first ``S`` of each row and targets the next ``S``; each rank
+takes its dp (and ep) piece of the rows. ``--synthetic`` draws seeded random ids instead. Rank 0 prints
+``step <i> loss <value>`` per step (the value as Python prints the float, every digit). ``--save CKPT2``
+writes the trained weights and optimizer state back. It imports neither the model's code nor ``transformers``.
+
+Bad input (another fxpar version, another world size, a short data file, a checkpoint of another model) is
+an error on every rank and a non-zero exit; collectives time out after ``--timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fxpar import checkpoint
+from fxpar.compiled import split_microbatches
+from fxpar.errors import CheckpointError, SavedProgramError
+from fxpar.saved import SavedRank, load_rank, manifest_mesh, read_manifest
+from fxpar.split import rank_batch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fxpar.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", help="a folder written by pm.save")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint written by fxpar.checkpoint.save")
+    p.add_argument("--steps", type=int, required=True, help="training steps to run")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="flat binary file of token ids (as nanoGPT's train.bin)")
+    source.add_argument("--synthetic", action="store_true", help="seeded random token ids")
+    p.add_argument("--dtype", default="uint16", help="numpy dtype of the token file (default uint16)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --synthetic data (default 0)")
+    p.add_argument("--save", help="write the trained weights and optimizer state here")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: the device the folder was compiled for")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective gives up")
+    return p.parse_args(argv)
+
+
+class Batches:
+    """The global token batch of each step: ``B`` rows of ``S + 1`` consecutive ids."""
+
+    def __init__(self, args: argparse.Namespace, batch: int, seq: int, vocab: int | None) -> None:
+        self.rows, self.width = batch, seq + 1
+        self.tokens: Any = None
+        self.generator: torch.Generator | None = None
+        self.vocab = vocab
+        if args.synthetic:
+            if vocab is None:
+                raise SavedProgramError("--synthetic needs the vocabulary size, and this program has no embedding of "
+                                        "its token ids to read it from: use --data")
+            self.generator = torch.Generator().manual_seed(args.seed)
+            return
+        if not os.path.isfile(args.data):
+            raise SavedProgramError(f"--data {args.data!r}: no such file")
+        self.tokens = np.memmap(args.data, dtype=np.dtype(args.dtype), mode="r")
+        need = self.rows * self.width
+        if len(self.tokens) < need:
+            raise SavedProgramError(f"--data {args.data!r} holds {len(self.tokens)} tokens of {args.dtype}, fewer than "
+                                    f"one batch: {self.rows} rows x {self.width} (sequence + 1) = {need}")
+
+    def __call__(self, step: int) -> torch.Tensor:
+        if self.generator is not None:
+            return torch.randint(0, self.vocab, (self.rows, self.width), generator=self.generator)
+        need = self.rows * self.width
+        start = (step % (len(self.tokens) // need)) * need
+        return torch.from_numpy(np.asarray(self.tokens[start:start + need], dtype=np.int64)).view(self.rows, self.width)
+
+
+def check_launch(manifest: dict[str, Any], args: argparse.Namespace) -> tuple[int, int]:
+    """This process's rank and the world size, checked against the manifest before any process group exists."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SavedProgramError("RANK and WORLD_SIZE are not set: launch with torchrun --nproc_per_node N -m fxpar.run")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != manifest["world"]:
+        mesh = " x ".join(f"{a}={n}" for a, n in manifest["mesh"])
+        raise SavedProgramError(f"the program was saved for {manifest['world']} ranks (mesh {mesh}) but "
+                                f"{world} were launched: use torchrun --nproc_per_node {manifest['world']}")
+    if not manifest["loss"] or manifest["targets"] is None:
+        raise SavedProgramError("this program was saved without a loss over next-token targets (pm.save needs a "
+                                "model taking one tensor of token ids and a loss_fn given to fxpar.parallelize)")
+    if not os.path.isdir(args.checkpoint):
+        raise CheckpointError(f"--checkpoint {args.checkpoint!r}: no such checkpoint folder")
+    if args.steps < 1:
+        raise SavedProgramError(f"--steps must be at least 1, got {args.steps}")
+    return rank, world
+
+
+def train(args: argparse.Namespace) -> None:
+    manifest = read_manifest(args.folder)
+    rank, world = check_launch(manifest, args)
+    device = args.device or manifest["device"]
+    if device != manifest["device"]:
+        raise SavedProgramError(f"the program was compiled for {manifest['device']}; compile it on a "
+                                f"Mesh(..., device={device!r}) to run on {device}")
+    batches = Batches(args, manifest["inputs"][0]["shape"][0] * manifest["microbatches"],
+                      manifest["inputs"][0]["shape"][1], manifest["vocab"])
+    saved = load_rank(args.folder, manifest, rank)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    losses = train_saved(saved, manifest, device, args.checkpoint, args.steps, batches, args.lr, args.save,
+                         log=rank == 0)
+    assert len(losses) == args.steps
+
+
+def train_saved(saved: SavedRank, manifest: dict[str, Any], device: str, checkpoint_path: str, steps: int,
+                batches: Callable[[int], torch.Tensor], lr: float = 1e-3, save: str | None = None,
+                log: bool = False) -> list[float]:
+    """Train a loaded rank for ``steps`` steps (the process group exists); return the step losses.
+
+    Loads the checkpoint (its optimizer state too, if it has one), runs each step's saved events on this rank's
+    piece of ``batches(step)`` (global ``B x (S + 1)`` ids), steps AdamW, and saves to ``save`` at the end.
+    """
+    mesh = manifest_mesh(manifest, device)
+    rank, m = saved.rank, manifest["microbatches"]
+    state, executor = saved.build(mesh, manifest)
+    optimizer = torch.optim.AdamW(state.parameters(), lr=lr)
+    checkpoint.load(state, optimizer if checkpoint.has_optimizer(checkpoint_path) else None, checkpoint_path)
+    losses = []
+    for step in range(steps):
+        tokens = batches(step).to(_device(device))
+        inputs, targets = rank_batch(tokens[:, :-1], mesh, rank), rank_batch(tokens[:, 1:], mesh, rank)
+        try:
+            loss = executor.run(split_microbatches([inputs], m), split_microbatches(targets, m), None)
+        finally:
+            state.release_params()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if log:
+            print(f"step {step} loss {losses[-1]!r}", flush=True)
+    if save:
+        checkpoint.save(state, optimizer, save)
+    return losses
+
+
+def _device(name: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        train(args)
+    except (SavedProgramError, CheckpointError) as e:
+        print(f"fxpar.run: error on rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
