@@ -3,6 +3,10 @@ print rank 0's program and ledger (and the pipeline schedule with pp), train a f
 the single-device model, and report the equivalence verdict.
 
     python -m fxpar.demo [--mesh dp=2,tp=2] [--schedule 1f1b] [--microbatches M] [--steps 5] [--layers 2]
+                         [--save demo_out]
+
+It also saves every rank's program (``pm.save``) and the initial weights (``fxpar.checkpoint.save``) under
+``--save``, and prints the ``torchrun -m fxpar.run`` command that trains them without the model's code.
 
 ``--mesh pp=2,dp=2,tp=2`` runs the 3D case on 8 ranks: two pipeline stages (one per pp rank) under ``--schedule``.
 """
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import shutil
 import sys
 from typing import Any
 
@@ -19,7 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fxpar
+from fxpar import checkpoint
 from fxpar.models.llama import Llama, LlamaConfig, llama_plan
+from fxpar.split import rank_batch
 from fxpar.testing.launch import run_ranks
 
 BATCH_PER_DP, SEQ, LR = 4, 16, 1e-3
@@ -29,9 +37,9 @@ ADAM_EPS = 1e-6
 RTOL = ATOL = LOSS_TOL = 1e-5
 
 
-def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of each position's logits against the next token, mean over the batch."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each position's logits against its target (the next token), mean over the batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -53,30 +61,35 @@ def demo_plan(axes: dict[str, int], schedule: str, microbatches: int | None) -> 
 
 
 def train_rank(axes: dict[str, int], schedule: str, microbatches: int | None, steps: int,
-               layers: int) -> dict[str, Any]:
-    """Runs in every rank: ``pm.step`` on this rank's dp shard next to the single-device model on the full batch."""
+               layers: int, save: str | None = None) -> dict[str, Any]:
+    """Runs in every rank: ``pm.step`` on this rank's dp shard next to the single-device model on the full batch.
+    With ``save``, first writes the program folder (``save/program``) and the initial weights (``save/init``)."""
     rank = dist.get_rank()
     cfg = LlamaConfig(n_layers=layers)
     dp = axes.get("dp", 1)
     torch.manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH_PER_DP * dp, SEQ))
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH_PER_DP * dp, SEQ + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # each position predicts the next token
     torch.manual_seed(1)
     model = Llama(cfg)
     torch.manual_seed(1)
     reference = Llama(cfg)
     mesh = fxpar.Mesh(axes)
-    pm = fxpar.parallelize(model, mesh, (tokens,), plan=demo_plan(axes, schedule, microbatches),
-                           loss_fn=next_token_loss, example_targets=tokens)
-    dp_index = mesh.coord(rank)[mesh.names.index("dp")] if "dp" in axes else 0
-    local = tokens.chunk(dp)[dp_index]
+    pm = fxpar.parallelize(model, mesh, (inputs,), plan=demo_plan(axes, schedule, microbatches),
+                           loss_fn=next_token_loss, example_targets=targets)
+    if save:
+        if rank == 0:
+            pm.save(os.path.join(save, "program"))
+        checkpoint.save(pm, None, os.path.join(save, "init"))
+    local_inputs, local_targets = rank_batch(inputs, mesh, rank), rank_batch(targets, mesh, rank)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)
     losses: list[tuple[float, float]] = []
     for _ in range(steps):
         for o in (opt, ref_opt):
             o.zero_grad()
-        loss = pm.step(local, local)  # the global mean loss, on every rank
-        ref_loss = next_token_loss(reference(tokens), tokens)
+        loss = pm.step(local_inputs, local_targets)  # the global mean loss, on every rank
+        ref_loss = next_token_loss(reference(inputs), targets)
         ref_loss.backward()
         opt.step()
         ref_opt.step()
@@ -102,10 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: pp)")
     parser.add_argument("--steps", type=int, default=5, help="AdamW steps (default 5)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the bundled Llama (default 2)")
+    parser.add_argument("--save", default="demo_out", help="where to save the program folder and initial weights "
+                        "for python -m fxpar.run (default demo_out; '' to skip)")
     args = parser.parse_args(argv)
     axes = args.mesh
     world = math.prod(axes.values())
-    results = run_ranks(train_rank, world, axes, args.schedule, args.microbatches, args.steps, args.layers,
+    save = os.path.abspath(args.save) if args.save else None
+    if save:
+        shutil.rmtree(save, ignore_errors=True)
+    results = run_ranks(train_rank, world, axes, args.schedule, args.microbatches, args.steps, args.layers, save,
                         timeout=600, collective_timeout=120)
     first = results[0]
     print(first["program"])
@@ -126,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         f"(tol {LOSS_TOL:.0e}), max |param diff| {param_diff:.2e} (rtol {RTOL:.0e}, atol {ATOL:.0e}): "
         f"{'PASS' if ok else 'FAIL'}"
     )
+    if save:
+        print(f"\nsaved every rank's program to {args.save}/program and the initial weights to {args.save}/init; "
+              f"train them without the model's code:\n  .venv/bin/torchrun --nproc_per_node {world} -m fxpar.run "
+              f"{args.save}/program --checkpoint {args.save}/init --steps 3 --synthetic")
     return 0 if ok else 1
 
 
