@@ -28,7 +28,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     stage. ``example_targets`` (global shapes) documents the targets ``pm.step`` will get.
     Ensures: ``model`` is not modified; the returned module's parameters are DTensors named as in
     ``model`` (each rank holds its stages' parameters); ``pm.program(rank)`` / ``pm.ledger(rank)``
-    inspect any rank, also on a fake mesh; ``fxpar.verify(pm)`` has passed.
+    inspect any rank, also on a fake mesh; ``fxpar.verify(pm)`` has passed
+    (``pm.proof`` says what it checked).
     """
     rank = None
     if not mesh.fake:
@@ -36,7 +37,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
         rank = dist.get_rank()
     compiled = compile_program(model, mesh, example_inputs, plan, loss_fn=loss_fn)
     pm = ParallelModule(compiled, model, rank, loss_fn=loss_fn)
-    verify(pm)
+    pm.proof = verify(pm)  # what the collective-order proof checked (ranks, roles, groups, events)
     return pm
 
 

@@ -7,13 +7,13 @@ model is never modified: fake parameters are swapped in only for the duration of
 
 from __future__ import annotations
 
+import logging
 import os
-import re
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -22,12 +22,18 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
+from fxpar import blocks as _blocks_module
+from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque_blocks, sharing_enabled
 from fxpar.errors import CaptureError
 from fxpar.ir import Program, Provenance, Signature
 from fxpar.mesh import Mesh
 from fxpar.moe import experts_as_ops
 from fxpar.simplify import bmm_over_heads, drop_identity_batch_index, tokens_unflattened
+from fxpar.source import _clean_module_path, user_source
 from fxpar.split import CONTEXT_AXIS
+from fxpar.stitch import Blocks, Captures, name_as_whole, stitch
+
+_BLOCKS_FILE = os.path.abspath(_blocks_module.__file__)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXPAR_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,10 +48,41 @@ def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...])
 
     Requires: example inputs with global (unsharded) shapes; parameters on cpu, cuda or meta.
     Ensures: every call_function/placeholder node has provenance (module, source, phase), and
-    the signature maps placeholders to parameter names, inputs and tangents.
+    the signature maps placeholders to parameter names, inputs and tangents. Repeated blocks are
+    traced once each (``fxpar.blocks``) unless ``FXPAR_SHARING=0``; the graph is the same either way,
+    and ``notes["captures"]`` says which way it was built.
     """
-    exported = export_fake(model, mesh, example_inputs)
-    return capture_joint(exported.gm, exported, model, mesh, exported.fake_args)
+    return with_shared_blocks(lambda share: _capture(model, mesh, example_inputs, share))
+
+
+def _capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...], share: Sharing) -> Program:
+    exported = export_fake(model, mesh, example_inputs, share=share)
+    prog = capture_joint(exported.gm, exported, model, mesh, exported.fake_args)
+    return prog.replace(notes={**prog.notes, "captures": exported.captures})
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """Whether to trace repeated blocks once (``on``), and if not, why."""
+
+    on: bool
+    reason: str = ""
+
+
+def with_shared_blocks(build: Callable[[Sharing], T]) -> T:
+    """``build(Sharing(True))`` (repeated blocks traced once); where that cannot be proven to give the whole-model
+    graph (``NotShared``) or fails, ``build(Sharing(False, why))``: every layer traced, the user's errors raised."""
+    if not sharing_enabled():
+        return build(Sharing(False, f"{SHARING_ENV}=0"))
+    try:
+        return build(Sharing(True))
+    except Exception as e:  # noqa: BLE001 - the whole-model capture decides what the user sees
+        log.debug("repeated blocks not shared (%s: %s); tracing the whole model", type(e).__name__, e)
+        return build(Sharing(False, f"{type(e).__name__}: {e}"))
+
+
+log = logging.getLogger("fxpar.capture")
+T = TypeVar("T")
 
 
 @dataclass
@@ -56,17 +93,50 @@ class Exported:
     fake_mode: FakeTensorMode
     fake_args: tuple[Any, ...]  # flat fake user inputs, in placeholder order
     out_spec: Any  # pytree spec of the model's outputs
+    blocks: Blocks | None = None  # repeated blocks called as ``fxpar::block`` (``fxpar.stitch`` copies them in)
+    reason: str = ""  # why blocks are not shared
+
+    @property
+    def captures(self) -> Captures:
+        return self.blocks.summary() if self.blocks is not None else Captures(reason=self.reason)
 
 
-def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...]) -> Exported:
-    """Export ``model`` with fake parameters and inputs (the user's model is left as it was)."""
+def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...],
+                share: Sharing | None = None, keep: tuple[str, ...] = ()) -> Exported:
+    """Export ``model`` with fake parameters and inputs (the user's model is left as it was).
+
+    ``share``: call repeated blocks (``fxpar.blocks.find_blocks``) as opaque ``fxpar::block`` ops, to be traced
+    once each when the joint is captured; ``keep``: module paths that must stay visible (pipeline stage starts).
+    """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_state = _fake_state(model, fake_mode, mesh.device)
     fake_args = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, mesh.device), example_inputs)
-    with _reparametrize_module(model, fake_state, tie_weights=True), experts_as_ops(model, mesh.axes.get("ep", 1)), \
-            fake_mode:
-        ep = _export(model, fake_args)
-    return Exported(ep.module(), fake_mode, fake_args, ep.call_spec.out_spec)
+
+    @contextmanager
+    def tracing() -> Iterator[None]:
+        with _reparametrize_module(model, fake_state, tie_weights=True), \
+                experts_as_ops(model, mesh.axes.get("ep", 1)):
+            yield
+
+    share = share or Sharing(False)
+    found = find_blocks(model, keep) if share.on else {}
+    if share.on and not found:
+        raise NotShared("no repeated blocks")
+    blocks = None
+    with tracing(), fake_mode:
+        if found:
+            table = BlockTable(found)
+            with opaque_blocks(table, fake_mode):
+                ep = _export(model, fake_args)
+            blocks = Blocks(table, fake_mode, tracing)
+        else:
+            ep = _export(model, fake_args)
+    gm = ep.module()
+    if blocks is not None:
+        with fake_mode:
+            blocks.note_uses(gm.graph)
+            name_as_whole(gm, blocks)
+    return Exported(gm, fake_mode, fake_args, ep.call_spec.out_spec, blocks, share.reason)
 
 
 def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.Module, mesh: Mesh,
@@ -83,6 +153,8 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
             raise CaptureError(_explain_trace_failure(model, e)) from e
         gm = joint.graph_module
+        if exported.blocks is not None:
+            gm = stitch(gm, exported.blocks, lambda n: user_source(n.meta.get("stack_trace"), before=_BLOCKS_FILE))
         _split_addmm(gm)
         drop_identity_batch_index(gm)
         bmm_over_heads(gm)
@@ -132,6 +204,8 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.Expor
     try:
         with without_kv_cache(model):
             return torch.export.export(model, args, strict=False)
+    except NotShared:
+        raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a CaptureError
         raise CaptureError(_explain_trace_failure(model, e)) from e
 
@@ -233,23 +307,13 @@ def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...], canon
     )
 
 
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def _provenance(n: fx.Node) -> Provenance:
+    if "fxpar_provenance" in n.meta:  # copied from a repeated block's graph (``fxpar.stitch``)
+        return n.meta["fxpar_provenance"]
     phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
     stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
     module = list(stack.values())[-1][0] if stack else ""
     module = _clean_module_path(module)
-    source = ""
-    frames = _FRAME_RE.findall(n.meta.get("stack_trace") or "")
-    user = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
-    if user:
-        source = f"{os.path.basename(user[-1][0])}:{user[-1][1]}"
-    return Provenance(module=module, source=source, phase=phase)
-
-
-def _clean_module_path(path: str) -> str:
-    """``L['self'].layers[0].mlp`` / ``layers.0.mlp`` -> ``layers.0.mlp``."""
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+    return Provenance(module=module, source=user_source(n.meta.get("stack_trace")), phase=phase)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar.backward_split import split_backward
-from fxpar.capture import capture, capture_joint, export_fake
+from fxpar.blocks import BLOCK_OPS
+from fxpar.capture import Sharing, capture, capture_joint, export_fake, with_shared_blocks
 from fxpar.errors import PlanError
 from fxpar.ir import Program
 from fxpar.lower import RankProgram, lower
@@ -27,9 +29,10 @@ from fxpar.mesh import Mesh
 from fxpar.modules import module_table
 from fxpar.pipeline import Context, run_pipeline
 from fxpar.plan import Plan, as_plan
+from fxpar.roles import Roles
 from fxpar.schedules import Schedule, make_schedule
 from fxpar.split import CONTEXT_AXIS, batch_ranks
-from fxpar.stages import split_stages
+from fxpar.stages import Split, data_nodes, node_cost, split_stages
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,8 @@ class Compiled:
     input_keys: tuple[str, ...] = ()  # with keyword inputs: the tensor ones, in the order the program takes them
     timings: dict[str, float] = field(default_factory=dict)
     constants: dict[Any, Any] = field(default_factory=dict)  # non-tensor inputs (by name or position), baked in
-    _lowered: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # rank programs, built lazily
+    _lowered: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # backward halves, lazily
+    _roles: Roles | None = field(default=None, repr=False, compare=False)  # rank programs by role, lowered lazily
 
     @property
     def pp(self) -> int:
@@ -78,10 +82,14 @@ class Compiled:
         stage = self.stage_of_rank(rank)[0] if stage is None else stage
         if stage not in self.stage_of_rank(rank):
             raise ValueError(f"rank {rank} holds stages {self.stage_of_rank(rank)}, not stage {stage}")
-        key = (rank, stage)
-        if key not in self._lowered:
-            self._lowered[key] = lower(self.stages[stage], rank)
-        return self._lowered[key]
+        return self.roles.program(rank, stage)
+
+    @property
+    def roles(self) -> Roles:
+        """The lowered programs, one per role (``fxpar.roles``); a rank's program is its role's, bound to its groups."""
+        if self._roles is None:
+            self._roles = Roles(self.mesh, lambda rank, stage: lower(self.stages[stage], rank))
+        return self._roles
 
     def stage_graph(self, rank: int, stage: int, name: str) -> fx.GraphModule:
         """One graph of a rank's stage, by the name a step event runs it under (``fxpar.rank_step``):
@@ -208,9 +216,22 @@ def _microbatch_inputs(flat: list[Any], mesh: Mesh, m: int) -> list[Any]:
 
 def _compile_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages: Any, ctx: Context
                     ) -> tuple[list[Program], dict[str, Any], Any]:
+    captured, split, out_spec = with_shared_blocks(lambda share: _capture_stages(model, mesh, flat, stages, ctx,
+                                                                                 share))
+    programs = [run_pipeline(prog, ctx) for prog in captured]
+    total = sum(split.costs) or 1.0
+    notes = {"stage starts": ", ".join(split.starts),
+             "stage costs": ", ".join(f"{c / total:.0%}" for c in split.costs)}
+    return programs, notes, out_spec
+
+
+def _capture_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages: Any, ctx: Context,
+                    share: Sharing) -> tuple[list[Program], Split, Any]:
+    """Export once, split into stages, capture each stage's joint (repeated blocks traced once when ``share``)."""
     start = time.perf_counter()
-    exported = export_fake(model, mesh, tuple(flat))
-    split = split_stages(exported.gm, model, stages)
+    keep = () if isinstance(stages, int) else tuple(stages)  # a stage starting inside a block keeps it whole
+    exported = export_fake(model, mesh, tuple(flat), share=share, keep=keep)
+    split = split_stages(exported.gm, model, stages, cost=_cost_model(exported))
     ctx.timings["split_stages"] = time.perf_counter() - start
     programs = []
     for sg in split.stages:
@@ -221,12 +242,25 @@ def _compile_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages:
         ctx.timings["capture"] = ctx.timings.get("capture", 0.0) + time.perf_counter() - t0
         info = StageInfo(sg.index, len(split.stages), tuple(sg.received), tuple(sg.user_inputs), tuple(sg.sent),
                          sg.first_module, sg.cost)
-        prog = _with_sequence(prog.replace(notes={**prog.notes, "stage": info}), flat)
-        programs.append(run_pipeline(prog, ctx))
-    total = sum(split.costs) or 1.0
-    notes = {"stage starts": ", ".join(split.starts),
-             "stage costs": ", ".join(f"{c / total:.0%}" for c in split.costs)}
-    return programs, notes, exported.out_spec
+        notes = {**prog.notes, "stage": info, "captures": exported.captures}
+        programs.append(_with_sequence(prog.replace(notes=notes), flat))
+    return programs, split, exported.out_spec
+
+
+def _cost_model(exported: Any) -> Callable[[fx.Node], float]:
+    """``node_cost``, with a repeated block's call costing what its nodes would in a whole-model export."""
+    blocks = exported.blocks
+    if blocks is None:
+        return node_cost
+    data = data_nodes(exported.gm.graph)
+
+    def cost(n: fx.Node) -> float:
+        if n.target is not BLOCK_OPS[0]:
+            return node_cost(n)
+        site = blocks.table.sites[n.args[0]]
+        return blocks.cost(site.id, tuple(a in data for a in n.args[1][:site.n_args]), node_cost)
+
+    return cost
 
 
 def _with_sequence(prog: Program, user_inputs: list[Any]) -> Program:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxpar.backends.comm import c10d, rank_sizes
 from fxpar.compiled import Compiled
-from fxpar.ir import Program
+from fxpar.ir import BLOCK, Program
 from fxpar.lower import LedgerRow, RankProgram
 from fxpar.memory import saved_bytes
 
@@ -182,10 +182,29 @@ def print_rank_programs(c: Compiled, rank: int, verbosity: int = 1) -> str:
         peers = _stage_peers(c, rank, s)
         extra = [f"# stage   {s} of {len(c.stages)} (starts at {info.first_module}) | schedule {c.schedule.name}, "
                  f"{c.microbatches} microbatches | {peers}",
+                 f"# holds   {held_modules(prog)}",
                  f"# recv    {', '.join(info.received) or '(user inputs only)'}",
                  f"# send    {', '.join(info.sent) or '(outputs to loss_fn)'}"]
         texts.append(print_rank_program(prog, c.rank_program(rank, s), verbosity, extra, suffix=f"_stage{s}"))
     return "\n".join(texts)
+
+
+def held_modules(prog: Program) -> str:
+    """The modules whose parameters a stage program holds, repeated blocks as ranges: ``embed, layers.0-7``."""
+    runs: list[list[Any]] = []  # [prefix, first, last] of block ranges, or [module] for the rest
+    for fqn, _ in prog.signature.params:
+        m = BLOCK.match(fqn)
+        if m:
+            prefix, i = m.group(1), int(m.group(2))
+            if runs and len(runs[-1]) == 3 and runs[-1][0] == prefix and i in (runs[-1][2], runs[-1][2] + 1):
+                runs[-1][2] = i
+                continue
+            runs.append([prefix, i, i])
+            continue
+        module = fqn.rsplit(".", 1)[0] if "." in fqn else fqn
+        if not runs or runs[-1] != [module]:
+            runs.append([module])
+    return ", ".join(r[0] if len(r) == 1 else f"{r[0]}.{r[1]}" + (f"-{r[2]}" if r[2] != r[1] else "") for r in runs)
 
 
 def _stage_peers(c: Compiled, rank: int, stage: int) -> str:

@@ -47,7 +47,7 @@ class _TensorSpec:
 def dumps(compiled: Compiled) -> bytes:
     """``compiled`` as bytes; ``loads`` gives back equal stage programs, schedule and plan."""
     fields = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)
-              if f.name not in ("mesh", "stages")}
+              if f.name not in ("mesh", "stages", "_lowered", "_roles")}
     mesh = (compiled.mesh.axes, compiled.mesh.device, compiled.mesh.fake)
     return pickle.dumps((fields, [dump_program(p) for p in compiled.stages], mesh))
 

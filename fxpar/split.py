@@ -125,7 +125,9 @@ class Splitter:
         out = list(shape)
         for ax, p in enumerate(placements):
             if isinstance(p, Shard):
-                out[p.dim] = self.sizes(out[p.dim], ax)[coord[ax]]
+                sizes = self.sizes(out[p.dim], ax)
+                # even pieces: every coordinate holds the same (not reading it keeps ranks in one role, fxpar.roles)
+                out[p.dim] = sizes[0] if sizes[0] == sizes[-1] else sizes[coord[ax]]
         return out
 
     def is_even(self, shape: torch.Size | tuple[int, ...], placements: Any) -> bool:

@@ -16,6 +16,7 @@ batch everywhere) and are never sent.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -112,7 +113,8 @@ def block_paths(model: torch.nn.Module) -> list[str]:
     return best
 
 
-def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int) -> tuple[list[str], list[float]]:
+def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,
+                  cost: Callable[[fx.Node], float] = node_cost) -> tuple[list[str], list[float]]:
     """Split points for ``n_stages`` cost-balanced stages, at block boundaries (min over splits of max stage cost)."""
     blocks = block_paths(model)
     if n_stages > max(len(blocks), 1):
@@ -122,7 +124,7 @@ def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int) -> 
     stage = assign_stages(gm.graph, blocks[1:])
     seg_costs = [0.0] * len(blocks)
     for n, s in stage.items():
-        seg_costs[s] += node_cost(n)
+        seg_costs[s] += cost(n)
     cuts = _balanced_cuts(seg_costs, n_stages)
     starts = [blocks[c] for c in cuts]
     bounds = [0, *cuts, len(blocks)]
@@ -163,10 +165,12 @@ def resolve_starts(model: torch.nn.Module, stages: list[str] | tuple[str, ...]) 
     return list(stages)
 
 
-def split_stages(gm: fx.GraphModule, model: torch.nn.Module, stages: int | list[str] | tuple[str, ...]) -> Split:
-    """Split the exported forward graph into stages (an int: cost-balanced; a list: module paths starting stages)."""
+def split_stages(gm: fx.GraphModule, model: torch.nn.Module, stages: int | list[str] | tuple[str, ...],
+                 cost: Callable[[fx.Node], float] = node_cost) -> Split:
+    """Split the exported forward graph into stages (an int: cost-balanced; a list: module paths starting stages).
+    ``cost``: a node's forward cost (``node_cost``; a repeated block's call costs its nodes)."""
     if isinstance(stages, int):
-        starts, costs = choose_starts(gm, model, stages) if stages > 1 else ([], [])
+        starts, costs = choose_starts(gm, model, stages, cost) if stages > 1 else ([], [])
     else:
         starts, costs = resolve_starts(model, stages), []
     stage = assign_stages(gm.graph, starts)
@@ -176,7 +180,7 @@ def split_stages(gm: fx.GraphModule, model: torch.nn.Module, stages: int | list[
     graphs = [_build_stage(gm, stage, s, needed, n) for s in range(n)]
     for s, g in enumerate(graphs):
         g.first_module = starts[s - 1] if s else "the model inputs"
-        g.cost = costs[s] if costs else sum(node_cost(x) for x, k in stage.items() if k == s)
+        g.cost = costs[s] if costs else sum(cost(x) for x, k in stage.items() if k == s)
     return Split(graphs, starts, [g.cost for g in graphs])
 
 

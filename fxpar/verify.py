@@ -12,10 +12,12 @@ their tags and peers, the gradient reductions, the tied-weight sums and the loss
 * if no rank can move and some have events left, that is a deadlock: each stuck rank is named
   with the step it waits on, and any send nobody received.
 
-By default one rank per pipeline coordinate is simulated, those sharing the calling rank's dp/tp
-coordinate (a role: the ranks of one dp/tp group run the same program, up to group names), so
-meshes of thousands of ranks verify in seconds; ``ranks="all"`` simulates every rank, checking
-each group's members against each other.
+By default one rank per role is simulated (``fxpar.roles``): every pipeline coordinate, times every
+coordinate of each axis whose coordinate some lowering read (uneven pieces, cp chunks), the other
+coordinates those of the calling rank. A rank left out has the same coordinates as a simulated one
+on every axis its lowering reads, so its step is that rank's with other group names, in groups of
+the same shape: meshes of thousands of ranks verify in seconds. ``ranks="all"`` simulates every
+rank. ``verify`` returns a ``Proof`` saying what it checked.
 """
 
 from __future__ import annotations
@@ -50,15 +52,33 @@ class Issued:
         return f"{what} (step {self.step}: {self.event})"
 
 
+@dataclass(frozen=True)
+class Proof:
+    """What ``verify`` checked: the ranks it simulated, the roles and process groups they cover, the events."""
+
+    ranks: tuple[int, ...]
+    mesh_size: int
+    roles: int  # distinct lowered programs (roles) behind the simulated ranks' stages
+    groups: int  # process groups whose members' collectives were matched
+    collectives: int
+    transfers: int  # point-to-point sends and receives matched
+    events: int  # step events simulated, all ranks
+
+    def __str__(self) -> str:
+        return (f"verified: {len(self.ranks)} of {self.mesh_size} ranks simulated ({self.roles} roles), "
+                f"{self.groups} groups, {self.events} step events: {self.collectives} collectives and "
+                f"{self.transfers} transfers matched, no deadlock")
+
+
 def verify(pm: Any, ranks: str | list[int] = "roles", actions: dict[int, list[Action]] | None = None,
-           events: dict[int, list[StepEvent]] | None = None) -> None:
+           events: dict[int, list[StepEvent]] | None = None) -> Proof:
     """Prove that ``pm``'s rank programs issue matching collectives and transfers and cannot deadlock.
 
     ``ranks``: ``"roles"`` (one rank per pipeline coordinate), ``"all"``, or a list of ranks.
     ``actions``: per global rank, an action list to check instead of the schedule's (for tests).
     ``events``: per global rank, a step's event list (``pm.step_events(rank)``, what the executor runs) to check
     instead of the one built from the schedule; those ranks and their pipeline peers are simulated.
-    Raises ``VerifyError`` naming the group or rank pair and the first mismatching step.
+    Raises ``VerifyError`` naming the group or rank pair and the first mismatching step; returns the ``Proof``.
     """
     c: Compiled = pm._compiled
     own = pm._rank if pm._rank is not None else 0
@@ -66,7 +86,23 @@ def verify(pm: Any, ranks: str | list[int] = "roles", actions: dict[int, list[Ac
     chosen = list(dict.fromkeys([*_ranks(c, own, ranks), *(r for e in events for r in _ranks(c, e, "roles"))]))
     _check_schedules(c, actions)
     steps = {r: events[r] if r in events else rank_step(c, r, actions.get(r)) for r in chosen}
-    _simulate({r: _issued(r, evs) for r, evs in steps.items()}, full=set(chosen))
+    issued = {r: _issued(r, evs) for r, evs in steps.items()}
+    _simulate(issued, full=set(chosen))
+    comms = [i.comm for evs in issued.values() for i in evs]
+    p2p = sum(m.op in ("send", "recv") for m in comms)
+    groups = {m.ranks for m in comms if m.op not in ("send", "recv")}
+    return Proof(tuple(chosen), c.mesh.size, len(_role_ids(c, chosen)), len(groups), len(comms) - p2p, p2p,
+                 sum(len(e) for e in steps.values()))
+
+
+def _role_ids(c: Compiled, ranks: list[int]) -> set[tuple[int, int]]:
+    """(stage, role index) of every simulated rank's stages, as ``c.roles`` lowered them."""
+    out = set()
+    for r in ranks:
+        coord = c.mesh.coord(r)
+        for s in c.stage_of_rank(r):
+            out.update((s, i) for i, role in enumerate(c.roles.roles.get(s, [])) if role.fits(coord))
+    return out
 
 
 def _issued(rank: int, events: list[StepEvent]) -> list[Issued]:
@@ -99,15 +135,21 @@ def _ranks(c: Compiled, own: int, ranks: str | list[int]) -> list[int]:
     if ranks == "all":
         return list(range(mesh.size))
     if ranks == "roles":
-        if "pp" not in mesh.axes:
-            return [own]
-        base = list(mesh.coord(own))
-        out = []
-        for p in range(mesh.axes["pp"]):
-            base[mesh.axis_index("pp")] = p
-            out.append(mesh.rank_of(tuple(base)))
-        return out
+        per_pp = _along(mesh, own, ["pp"] if "pp" in mesh.axes else [])
+        for r in per_pp:  # lower one rank per pipeline coordinate: which axes' coordinates do the roles read?
+            for s in c.stage_of_rank(r):
+                c.rank_program(r, s)
+        read = [a for i, a in enumerate(mesh.axes) if i in c.roles.read_axes and a != "pp"]
+        return _along(mesh, own, (["pp"] if "pp" in mesh.axes else []) + read)
     return list(ranks)
+
+
+def _along(mesh: Any, own: int, axes: list[str]) -> list[int]:
+    """Every rank whose coordinates equal ``own``'s except along ``axes``."""
+    out = [own]
+    for axis in axes:
+        out = [g for r in out for g in mesh.group_ranks(r, axis)]
+    return sorted(set(out), key=out.index)
 
 
 def _simulate(issued: dict[int, list[Issued]], full: set[int]) -> None:

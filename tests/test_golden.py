@@ -1,8 +1,11 @@
 """Golden program text: the printed rank programs of a fixed set of cases must not change.
 
 A refactor that claims no behaviour change must leave every file under ``tests/golden/``
-unchanged. An intended change regenerates them (``make golden``) and shows up in review as a
-diff of the programs and ledgers. The cases live in ``tests/golden/golden_cases.py``.
+unchanged. The files are written with ``FXPAR_SHARING=0`` (every layer traced); the test prints
+with the default (each repeated block traced once and stitched, ``fxpar.blocks``), so each case
+also proves that sharing changes no byte of any rank's program, ledger or memory. An intended
+change regenerates them (``make golden``) and shows up in review as a diff of the programs and
+ledgers. The cases live in ``tests/golden/golden_cases.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
-from golden_cases import CASES, GOLDEN_DIR, REGEN_COMMAND, Case, render  # noqa: E402
+from golden_cases import CASES, GOLDEN_DIR, REGEN_COMMAND, Case, render_module  # noqa: E402
+
+from fxpar.blocks import find_blocks  # noqa: E402
 
 MAX_DIFF_LINES = 80
 
@@ -37,7 +42,10 @@ def test_golden_program(case: Case, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="torch.__trace")  # keep torch's trace records out of a failure report
     if not case.path.exists():
         pytest.fail(f"missing golden file {case.path.name}; create it with: {REGEN_COMMAND}")
-    expected, actual = case.path.read_text(), render(case)
+    expected, (actual, pm) = case.path.read_text(), render_module(case)
+    repeated = bool(find_blocks(case.build()[0]))
+    captures = [p.notes["captures"] for p in pm._compiled.stages]
+    assert all(c.whole is not repeated for c in captures), f"blocks shared: {repeated} expected, got {captures}"
     if actual != expected:
         pytest.fail(f"printed program differs from tests/golden/{case.path.name}; if the change is intended, "
                     f"regenerate with: {REGEN_COMMAND}\n{trimmed_diff(expected, actual, case.path.name)}",

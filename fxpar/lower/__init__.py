@@ -19,6 +19,7 @@ from fxpar.lower import overlap as issue_order  # the module: ``fxpar.lower.over
 from fxpar.lower.program import LedgerRow, RankProgram, group_name
 from fxpar.lower.retrace import Lowerer
 from fxpar.lower.split_joint import from_zero3_shards, split_joint
+from fxpar.read_coord import ReadCoord
 
 __all__ = ["LedgerRow", "RankProgram", "from_zero3_shards", "group_name", "lower", "py_name", "split_joint"]
 
@@ -28,6 +29,7 @@ Step = Callable[[Lowerer, RankProgram], RankProgram]
 def lower(prog: Program, rank: int) -> RankProgram:
     """Lower ``prog`` for ``rank``: retrace it, then run every step in order."""
     lw = Lowerer(prog, rank)
+    lw.coord = ReadCoord(lw.coord)  # ``rp.coord.read``: the axes whose coordinate the lowering read (its role)
     rp = lw.retrace()
     for step in steps():
         rp = step(lw, rp)

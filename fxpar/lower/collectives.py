@@ -120,7 +120,7 @@ class CollectiveEmitter(Emitter):
                       name=f"{x.name}_reducescatter")
         self.record("reduce_scatter", axis, x0.meta["val"], y)
         y = self.emit(c10d.wait_tensor.default, (y,), placements=after, module=module, name=f"{x.name}_scattered")
-        mine = sizes[self.coord[self.mesh.axis_index(axis)]]
+        mine = sizes[0] if sizes[0] == sizes[-1] else sizes[self.coord[self.mesh.axis_index(axis)]]
         if mine != ceil:
             y = self.emit(aten.slice.Tensor, (y, 0, 0, mine), placements=after, module=module)
         return self._moved_back(y, d, after, module, contiguous)

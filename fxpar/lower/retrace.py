@@ -168,7 +168,8 @@ class Lowerer(CollectiveEmitter, StepCollectives, ContextMask):
             # by dp makes parameter gradients the mean over dp ranks, as DDP and FSDP do. With a batch dp
             # does not divide, rank r's loss is a mean over b_r of the B samples: its weight is b_r / B.
             # An ep axis shards the batch further (evenly: annotate refuses a batch dp x ep does not divide).
-            share = dp_share(self.split, self.coord[self.mesh.axis_index(BATCH_AXIS)], self.mesh) if n_dp > 1 else 1
+            even = self.split.batch is None or self.split.batch % n_dp == 0  # then the share reads no coordinate
+            share = 1 / n_dp if even else dp_share(self.split, self.coord[self.mesh.axis_index(BATCH_AXIS)], self.mesh)
             share /= n_ep
             if share == 1 / (n_dp * n_ep):
                 self.env[node.name] = self.emit(aten.div.Tensor, (new, n_dp * n_ep), placements=p,

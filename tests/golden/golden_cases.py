@@ -32,7 +32,7 @@ REGEN_COMMAND = "make golden  (or: .venv/bin/python tests/golden/regen.py)"
 
 # Small shapes keep the files readable; GQA (4 query heads, 2 kv heads) keeps repeat_interleave in.
 MLP_SHAPE = {"dim": 8, "hidden": 16, "out": 4}
-LLAMA_SHAPE = {"n_layers": 1, "vocab_size": 32, "hidden": 16, "intermediate": 32, "n_heads": 4,
+LLAMA_SHAPE = {"n_layers": 2, "vocab_size": 32, "hidden": 16, "intermediate": 32, "n_heads": 4,
                "n_kv_heads": 2, "max_seq": 8}
 
 
@@ -82,7 +82,7 @@ def _hf(family: str, batch: int = 2, seq: int = 8) -> Callable[[], tuple[torch.n
         import transformers
 
         torch.manual_seed(0)
-        common = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, use_cache=False, tie_word_embeddings=False)
+        common = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, use_cache=False, tie_word_embeddings=False)
         if family == "llama":
             config = transformers.LlamaConfig(intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
                                               max_position_embeddings=seq, **common)
@@ -112,7 +112,6 @@ GPT2_PLAN = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_p
              "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
 P = fxpar.Plan
 MEGATRON = llama_plan()
-TWO_LAYERS = {"n_layers": 2}
 FOUR_LAYERS = {"n_layers": 4}
 FP8_HEADS = {"n_heads": 2, "n_kv_heads": 2}  # every Linear 16 x 16 or wider: all run in fp8
 
@@ -126,7 +125,7 @@ def _m(name: str, axes: dict[str, int], plan: Any, **shape: Any) -> Case:
 
 
 def _h(name: str, family: str, axes: dict[str, int], plan: Any, batch: int = 2) -> Case:
-    return Case(name, f"HF {family} (1 layer, hidden 16, vocab 32), batch {batch}, plan {plan}", _hf(family, batch),
+    return Case(name, f"HF {family} (2 layers, hidden 16, vocab 32), batch {batch}, plan {plan}", _hf(family, batch),
                 axes, plan)
 
 
@@ -162,16 +161,15 @@ CASES: list[Case] = [
     _l("llama_dp2_cp2_zero3", {"dp": 2, "cp": 2}, P(zero=3)),
     _l("llama_cp2_tp2", {"cp": 2, "tp": 2}, MEGATRON),
     # pipelines, every schedule
-    _l("llama_pp2_gpipe", {"pp": 2}, P(schedule="gpipe", microbatches=2), loss=True, **TWO_LAYERS),
-    _l("llama_pp2_dp2_1f1b", {"pp": 2, "dp": 2}, P(schedule="1f1b", microbatches=2), loss=True, batch=4,
-       **TWO_LAYERS),
+    _l("llama_pp2_gpipe", {"pp": 2}, P(schedule="gpipe", microbatches=2), loss=True),
+    _l("llama_pp2_dp2_1f1b", {"pp": 2, "dp": 2}, P(schedule="1f1b", microbatches=2), loss=True, batch=4,),
     _l("llama_pp2_dp2_tp2_1f1b", {"pp": 2, "dp": 2, "tp": 2}, P(tp=MEGATRON, schedule="1f1b", microbatches=2),
-       loss=True, batch=4, **TWO_LAYERS),
+       loss=True, batch=4),
     _l("llama_pp2_interleaved", {"pp": 2}, P(stages=4, schedule="interleaved-1f1b", microbatches=2), loss=True,
        **FOUR_LAYERS),
-    _l("llama_pp2_zbh1", {"pp": 2}, P(schedule="zb-h1", microbatches=2), loss=True, **TWO_LAYERS),
-    _l("llama_pp2_dp2_zero1", {"pp": 2, "dp": 2}, P(zero=1, microbatches=2), loss=True, batch=4, **TWO_LAYERS),
-    _l("llama_pp2_tied", {"pp": 2}, P(microbatches=2), loss=True, tie_embeddings=True, **TWO_LAYERS),
+    _l("llama_pp2_zbh1", {"pp": 2}, P(schedule="zb-h1", microbatches=2), loss=True),
+    _l("llama_pp2_dp2_zero1", {"pp": 2, "dp": 2}, P(zero=1, microbatches=2), loss=True, batch=4),
+    _l("llama_pp2_tied", {"pp": 2}, P(microbatches=2), loss=True, tie_embeddings=True),
     # uneven widths and batches
     _m("mlp_tp3_uneven", {"tp": 3}, mlp_plan(), hidden=10, out=5),
     _m("mlp_dp3_uneven_batch", {"dp": 3}, None, batch=4),
@@ -187,10 +185,15 @@ CASES: list[Case] = [
 
 def render(case: Case) -> str:
     """The golden text of ``case``: a case header, then per rank its program, its step ledger and its memory."""
+    return render_module(case)[0]
+
+
+def render_module(case: Case) -> tuple[str, Any]:
+    """``render(case)`` and the ``ParallelModule`` it printed."""
     model, inputs = case.build()
     mesh = fxpar.Mesh(case.axes, fake=True)
     pm = fxpar.parallelize(model, mesh, inputs, plan=case.plan, loss_fn=next_token_loss if case.loss else None)
     parts = [f"# golden case {case.name}: {case.about}\n"]
     for rank in case.ranks if case.ranks is not None else range(mesh.size):
         parts.append(f"{pm.program(rank, verbosity=1)}\n{pm.ledger_table(rank)}\n{pm.memory(rank)}\n")
-    return "\n".join(parts)
+    return "\n".join(parts), pm

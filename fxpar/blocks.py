@@ -1,0 +1,331 @@
+"""Repeated blocks as opaque calls: trace each distinct block once, not once per layer.
+
+A transformer's layers are the children of one ``nn.ModuleList``: the same code, the same
+parameter shapes. While the model is exported, every such block is called through
+``torch.ops.fxpar.block(site, tensors)``, an op whose output shapes are known from one fake run
+of the block, so the export and the joint graph of the whole model cost a few nodes per layer.
+``fxpar.stitch`` then traces each distinct block once and copies its joint graph in at every
+call. What makes two calls the same (a ``Site``'s key):
+
+* the block's structure: for every submodule its class and ``forward``, its parameters' and
+  buffers' names, shapes, strides, dtypes and ``requires_grad`` (no hooks anywhere);
+* the call: the pytree of arguments, each tensor's shape, stride, dtype and ``requires_grad``,
+  which arguments are the same tensor, and every non-tensor argument;
+* every plain attribute the block's code reads while it runs (recorded on the fake run), by
+  value for plain data and by identity for anything else: ``self.sliding_window`` splits
+  Gemma2's sliding and global layers, an unread ``self.layer_idx`` does not.
+
+A block whose parameters are shared with another block, or that has hooks, is called as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+SHARING_ENV = "FXPAR_SHARING"  # "0": trace every layer (the escape hatch; the programs must be byte-identical)
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
+_site_ids = itertools.count()
+
+
+class _Slot:
+    """Where a tensor goes among a call's (or an output's) flat pytree leaves."""
+
+    def __repr__(self) -> str:
+        return "TENSOR"
+
+
+TENSOR = _Slot()
+_OUT_META: dict[int, tuple[tuple[Any, ...], ...]] = {}  # site id -> (shape, stride, dtype) of each tensor output
+
+
+def sharing_enabled() -> bool:
+    """Whether repeated blocks are traced once (default) or every layer is traced (``FXPAR_SHARING=0``)."""
+    return os.environ.get(SHARING_ENV, "1") != "0"
+
+
+class NotShared(Exception):  # noqa: N818 - a signal to capture the whole model, not an error
+    """Sharing cannot be proven here; the caller captures the whole model instead."""
+
+
+@torch.library.custom_op("fxpar::block", mutates_args=())
+def block_call(site: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One call of a repeated block (only ever traced: ``fxpar.stitch`` replaces it by the block's graph)."""
+    raise RuntimeError("fxpar::block is a tracing placeholder and never runs")
+
+
+@block_call.register_fake
+def _block_fake(site: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=inputs[0].device)
+            for shape, stride, dtype in _OUT_META[site]]
+
+
+@torch.library.custom_op("fxpar::block_backward", mutates_args=())
+def block_backward(site: int, inputs: list[torch.Tensor], grad_outputs: list[int], grads: list[torch.Tensor],
+                   grad_inputs: list[int]) -> list[torch.Tensor]:
+    """The backward of one block call: ``grads`` of outputs ``grad_outputs`` in, those of inputs ``grad_inputs``
+    out (a tracing placeholder like ``fxpar::block``)."""
+    raise RuntimeError("fxpar::block_backward is a tracing placeholder and never runs")
+
+
+@block_backward.register_fake
+def _block_backward_fake(site: int, inputs: list[torch.Tensor], grad_outputs: list[int], grads: list[torch.Tensor],
+                         grad_inputs: list[int]) -> list[torch.Tensor]:
+    return [torch.empty_like(inputs[i]) for i in grad_inputs]
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    site, tensors = inputs
+    ctx.site = site
+    ctx.grad_inputs = [i for i, t in enumerate(tensors) if t.requires_grad]
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[None, list[torch.Tensor | None]]:
+    tensors = list(ctx.saved_tensors)
+    given = [i for i, g in enumerate(grads) if g is not None]
+    out = block_backward(ctx.site, tensors, given, [grads[i] for i in given], ctx.grad_inputs)
+    full: list[torch.Tensor | None] = [None] * len(tensors)
+    for i, g in zip(ctx.grad_inputs, out, strict=True):
+        full[i] = g
+    return None, full
+
+
+torch.library.register_autograd("fxpar::block", _backward, setup_context=_setup)
+BLOCK_OPS = (torch.ops.fxpar.block.default, torch.ops.fxpar.block_backward.default)
+
+
+@dataclass
+class Site:
+    """One call of a repeated block, as the export saw it."""
+
+    id: int
+    path: str  # the block's module path, e.g. "model.layers.3"
+    module: torch.nn.Module
+    in_spec: Any  # pytree spec of (args, kwargs)
+    constants: tuple[Any, ...]  # the flat (args, kwargs) leaves, TENSOR where a tensor goes
+    n_args: int  # tensor leaves of (args, kwargs); parameters, then buffers, follow them in the op's inputs
+    params: tuple[str, ...]  # the block's parameter names (relative), in ``named_parameters`` order
+    buffers: tuple[str, ...]
+    out_spec: Any
+    out_constants: tuple[Any, ...]  # the flat output leaves, TENSOR where a tensor goes
+    templates: tuple[tuple[Any, ...], ...]  # shape, stride, dtype, requires_grad, first index of each tensor input
+    key: tuple[Any, ...]
+
+
+@dataclass
+class BlockTable:
+    """Every repeated-block call of one export: ``sites`` by id, and what was found."""
+
+    blocks: dict[str, torch.nn.Module]  # path -> block module, the candidates
+    sites: dict[int, Site] = field(default_factory=dict)
+    _runs: dict[tuple[Any, ...], list[tuple[Any, ...]]] = field(default_factory=dict)  # key -> reads variants
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, _forget, self.sites)
+
+
+def _forget(sites: dict[int, Site]) -> None:
+    for i in sites:
+        _OUT_META.pop(i, None)
+
+
+def find_blocks(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> dict[str, torch.nn.Module]:
+    """The modules that may be traced once: children of an ``nn.ModuleList``/``nn.Sequential`` with a sibling of the
+    same structure, not nested in another such block, holding no parameter another block holds, with no hooks.
+    ``exclude``: module paths inside which something must stay visible (a pipeline stage starting there)."""
+    found: dict[str, torch.nn.Module] = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        if any(name == p or name.startswith(p + ".") for p in found):
+            continue
+        kids = {f"{name}.{c}" if name else c: m for c, m in mod.named_children()}
+        counts: dict[Any, int] = {}
+        for m in kids.values():
+            counts[structure_key(m)] = counts.get(structure_key(m), 0) + 1
+        for path, m in kids.items():
+            if counts[structure_key(m)] > 1 and not _has_hooks(m) and not _inside(exclude, path):
+                found[path] = m
+    owners: dict[int, set[str]] = {}
+    for path, m in found.items():
+        for p in m.parameters():
+            owners.setdefault(id(p), set()).add(path)
+    shared = {path for paths in owners.values() if len(paths) > 1 for path in paths}
+    return {p: m for p, m in found.items() if p not in shared}
+
+
+def _inside(exclude: tuple[str, ...], path: str) -> bool:
+    return any(e.startswith(path + ".") for e in exclude)
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(m, h, None) for m in module.modules() for h in hooks)
+
+
+def structure_key(module: torch.nn.Module) -> tuple[Any, ...]:
+    """What the block's code and state look like, apart from plain attributes (those are checked as read)."""
+    parts: list[Any] = []
+    for rel, m in module.named_modules():
+        parts.append((rel, type(m), _forward_of(m)))
+    for rel, t in (*module.named_parameters(), *module.named_buffers()):
+        parts.append((rel, tuple(t.shape), t.stride(), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter)))
+    return tuple(parts)
+
+
+def _forward_of(m: torch.nn.Module) -> Any:
+    """The function ``m.forward`` runs (the original one while ``opaque_blocks`` has replaced it)."""
+    f = m.__dict__.get("forward", type(m).forward)
+    f = getattr(f, "original", f)
+    return getattr(f, "__func__", f)
+
+
+@contextmanager
+def opaque_blocks(table: BlockTable, fake_mode: Any) -> Iterator[None]:
+    """Inside: every block of ``table`` is called as ``fxpar::block`` (its forward replaced on the instance)."""
+    patched = []
+    try:
+        for path, module in table.blocks.items():
+            had = "forward" in module.__dict__
+            module.forward = _opaque_forward(table, path, module, module.forward, fake_mode)
+            patched.append((module, had))
+        yield
+    finally:
+        for module, had in patched:
+            if had:
+                module.forward = module.forward.original  # type: ignore[attr-defined]
+            else:
+                del module.forward
+
+
+def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forward: Callable[..., Any],
+                    fake_mode: Any) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        flat, in_spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        constants = tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in flat)
+        params = dict(module.named_parameters())
+        buffers = dict(module.named_buffers())
+        templates = _tensor_keys(tensors)
+        key = (structure_key(module), str(in_spec), tuple(map(_value_key, constants)), templates)
+        out_leaves, out_spec, reads = _fake_run(module, forward, fake_mode, args, kwargs, tensors)
+        key = (*key, _variant(table, key, module, reads))
+        site = Site(next(_site_ids), path, module, in_spec, constants, len(tensors), tuple(params), tuple(buffers),
+                    out_spec, tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves), templates, key)
+        table.sites[site.id] = site
+        _OUT_META[site.id] = tuple((tuple(t.shape), t.stride(), t.dtype) for t in out_leaves
+                                   if isinstance(t, torch.Tensor))
+        outs = iter(block_call(site.id, [*tensors, *params.values(), *buffers.values()]))
+        return pytree.tree_unflatten([next(outs) if c is TENSOR else c for c in site.out_constants], out_spec)
+
+    call.original = forward  # type: ignore[attr-defined]
+    return call
+
+
+def _fake_run(module: torch.nn.Module, forward: Callable[..., Any], fake_mode: Any, args: Any, kwargs: Any,
+              tensors: list[torch.Tensor]) -> tuple[list[Any], Any, dict[tuple[str, str], Any]]:
+    """Run the block once on fresh fake copies of its inputs, outside the trace: its outputs and the plain
+    attributes its code read."""
+    with disable_proxy_modes_tracing(), fake_mode:
+        copies = {id(t): _fresh(t) for t in tensors}
+        a, k = pytree.tree_map_only(torch.Tensor, lambda t: copies[id(t)], (args, kwargs))
+        with recording_reads(module) as reads:
+            out = forward(*a, **k)
+    leaves, spec = pytree.tree_flatten(out)
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and any(x is c for c in copies.values()):
+            raise NotShared("a block returns one of its inputs")
+        if not isinstance(x, (torch.Tensor, *_PLAIN)):
+            raise NotShared(f"a block returns a {type(x).__name__}")
+    return leaves, spec, reads
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return x.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else x
+
+
+def _variant(table: BlockTable, key: tuple[Any, ...], module: torch.nn.Module, reads: dict[tuple[str, str], Any]
+             ) -> int:
+    """Which set of read-attribute values this call has among the calls with the same ``key`` (0, 1, ...)."""
+    values = tuple(sorted((k, _value_key(v)) for k, v in reads.items()))
+    variants = table._runs.setdefault(key, [])
+    if values not in variants:
+        variants.append(values)
+    return variants.index(values)
+
+
+def _value_key(v: Any) -> Any:
+    if v is TENSOR:
+        return "TENSOR"
+    if isinstance(v, _PLAIN):
+        return (type(v).__name__, v)
+    if isinstance(v, (tuple, list, frozenset)) and all(isinstance(x, _PLAIN) for x in v):
+        return (type(v).__name__, tuple(v))
+    if isinstance(v, functools.partial):  # e.g. an activation's per-layer partial(gelu, approximate="tanh")
+        return ("partial", _value_key(v.func), tuple(map(_value_key, v.args)),
+                tuple(sorted((k, _value_key(x)) for k, x in v.keywords.items())))
+    return ("id", id(v))
+
+
+def _tensor_keys(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+    first: dict[int, int] = {}
+    return tuple((tuple(t.shape), t.stride(), t.dtype, t.requires_grad, first.setdefault(id(t), i),
+                  t.storage_offset()) for i, t in enumerate(tensors))
+
+
+@contextmanager
+def recording_reads(module: torch.nn.Module) -> Iterator[dict[tuple[str, str], Any]]:
+    """Record every plain instance attribute read on ``module``'s submodules inside: ``(path, name) -> value``."""
+    reads: dict[tuple[str, str], Any] = {}
+    swapped = [(m, type(m)) for m in module.modules()]
+    paths = {id(m): rel for rel, m in module.named_modules()}
+    try:
+        for m, cls in swapped:
+            m.__class__ = _recording_class(cls)
+            m.__dict__["_fxpar_reads"] = (paths[id(m)], reads)
+        yield reads
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+            m.__dict__.pop("_fxpar_reads", None)
+
+
+_RECORDING: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    if cls not in _RECORDING:
+        def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
+            d = object.__getattribute__(self, "__dict__")
+            if name in d and name not in _MODULE_INTERNALS and name != "_fxpar_reads":
+                where, reads = d["_fxpar_reads"]
+                reads[(where, name)] = d[name]
+            return object.__getattribute__(self, name)
+
+        _RECORDING[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                                      "__module__": cls.__module__})
+    return _RECORDING[cls]
+
+
+_BASE_NAME = re.compile(r"_\d+$")
+
+
+def base_name(name: str) -> str:
+    """The name a tracer asked for before ``torch.fx`` numbered it: ``mm_12`` -> ``mm``."""
+    return _BASE_NAME.sub("", name)

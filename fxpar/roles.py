@@ -1,0 +1,115 @@
+"""Lower once per role: ranks whose programs differ only in their process groups share one lowering.
+
+Lowering a stage for a rank reads the rank's mesh coordinate (which piece of an uneven dim it
+holds, which slice of a sharded value, which cp chunks) and names the rank's process groups. A
+``ReadCoord`` records which axes' coordinates were read. Another rank of the same stage whose
+coordinate agrees on those axes would lower to the same graphs with other group names, so its
+program is the role's, bound to its groups (``bind``): the graphs are copied with every group
+name (``"tp[0,1]"`` -> ``"tp[2,3]"``) and every ledger row's group rewritten. A role is a stage
+plus the coordinates its lowering read; ``pm.program(rank)`` of a 16,384-rank fake mesh lowers
+one role per stage and binds any rank to it in time linear in the program, not the mesh.
+
+``FXPAR_SHARING=0`` lowers every rank on its own (the programs must be byte-identical).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from fxpar.blocks import sharing_enabled
+from fxpar.lower import RankProgram, group_name
+from fxpar.lower.program import LedgerRow
+from fxpar.mesh import Mesh
+from fxpar.read_coord import ReadCoord  # noqa: F401 - re-exported: the coordinate lowering records
+
+BOUND_CACHE = 16  # bound rank programs kept (a fake mesh may have 16,384 ranks: the roles are kept, not the ranks)
+
+
+@dataclass
+class Role:
+    """One lowering of a stage: the rank it was lowered for and the coordinate values it read."""
+
+    rank: int
+    read: dict[int, int]  # axis index -> coordinate value
+    program: RankProgram
+
+    def fits(self, coord: tuple[int, ...]) -> bool:
+        return all(coord[a] == v for a, v in self.read.items())
+
+
+class Roles:
+    """The lowered programs of a compiled model, by role; ``program(rank, stage)`` lowers or binds."""
+
+    def __init__(self, mesh: Mesh, lower: Callable[[int, int], RankProgram]) -> None:
+        self.mesh, self._lower = mesh, lower
+        self.roles: dict[int, list[Role]] = {}  # stage -> its roles so far
+        self.read_axes: set[int] = set()  # axes whose coordinate any lowering so far read
+        self._bound: OrderedDict[tuple[int, int], RankProgram] = OrderedDict()
+
+    def program(self, rank: int, stage: int) -> RankProgram:
+        key = (rank, stage)
+        if key in self._bound:
+            self._bound.move_to_end(key)
+            return self._bound[key]
+        rp = self._program(rank, stage)
+        self._bound[key] = rp
+        if len(self._bound) > BOUND_CACHE:
+            self._bound.popitem(last=False)
+        return rp
+
+    def _program(self, rank: int, stage: int) -> RankProgram:
+        coord = self.mesh.coord(rank)
+        if sharing_enabled():
+            for role in self.roles.get(stage, []):
+                if role.fits(coord):
+                    return role.program if role.rank == rank else bind(role.program, rank, self.mesh)
+        rp = self._lower(rank, stage)
+        read = set(getattr(rp.coord, "read", range(len(coord))))
+        self.read_axes |= read
+        rp = dataclasses.replace(rp, coord=tuple(rp.coord))
+        if sharing_enabled():
+            self.roles.setdefault(stage, []).append(Role(rank, {a: coord[a] for a in sorted(read)}, rp))
+        return rp
+
+    def count(self) -> int:
+        """How many roles have been lowered (all stages)."""
+        return sum(len(r) for r in self.roles.values())
+
+
+def bind(rp: RankProgram, rank: int, mesh: Mesh) -> RankProgram:
+    """``rp`` (lowered for another rank of the same role) as ``rank``'s program: its groups and ledger rows renamed."""
+    rename = {name: group_name(name[: name.index("[")], mesh.group_ranks(rank, name[: name.index("[")]))
+              for name in rp.groups}
+    groups = {rename[name]: tuple(mesh.group_ranks(rank, name[: name.index("[")])) for name in rp.groups}
+
+    def row(r: LedgerRow) -> LedgerRow:
+        return dataclasses.replace(r, group=tuple(mesh.group_ranks(rank, r.axis))) if r.axis in mesh.axes else r
+
+    def graph(gm: fx.GraphModule | None) -> fx.GraphModule | None:
+        return None if gm is None else _renamed(gm, rename, row)
+
+    return dataclasses.replace(
+        rp, rank=rank, coord=mesh.coord(rank), joint=graph(rp.joint), forward=graph(rp.forward),
+        backward=graph(rp.backward), reduce_grads=graph(rp.reduce_grads), gather_params=graph(rp.gather_params),
+        ledger=[row(r) for r in rp.ledger], gather_ledger=[row(r) for r in rp.gather_ledger], groups=groups)
+
+
+def _renamed(gm: fx.GraphModule, rename: dict[str, str], row: Callable[[LedgerRow], LedgerRow]) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(gm.graph, env)
+    if out is not None:
+        g.output(out)
+    for n in g.nodes:
+        n.args = fx.node.map_aggregate(n.args, lambda a: rename.get(a, a) if isinstance(a, str) else a)
+        if n.kwargs:
+            n.kwargs = fx.node.map_aggregate(n.kwargs, lambda a: rename.get(a, a) if isinstance(a, str) else a)
+        if "ledger_row" in n.meta:
+            n.meta["ledger_row"] = row(n.meta["ledger_row"])
+    g._codegen = gm.graph._codegen
+    return fx.GraphModule(gm, g)

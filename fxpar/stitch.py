@@ -1,0 +1,340 @@
+"""Stitch: one joint graph per distinct block, copied in at every call of it.
+
+``fxpar.blocks`` exported the model with each repeated block as one ``fxpar::block`` call;
+AOTAutograd then gave a joint graph with a ``fxpar::block`` node per layer in the forward and a
+``fxpar::block_backward`` node per layer in the backward. Here each distinct block (a ``Site``
+key plus the outputs the model uses) is exported and captured once, as AOTAutograd would see
+it inside the model: its tensor inputs, parameters and buffers as inputs, and a tangent per
+output whose gradient flows. ``stitch`` then rebuilds the model's joint graph node by node,
+copying the block's forward nodes at each ``fxpar::block`` and its backward nodes at the
+matching ``fxpar::block_backward``, with each node asking ``torch.fx`` for the name the tracer
+asked for (``mm``, not ``mm_12``): the graph, names included, is the one a whole-model capture
+gives. Provenance is the block's, under the layer's own path (``layers.37.mlp.down_proj``).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name
+from fxpar.ir import Provenance
+from fxpar.source import _clean_module_path, user_source
+
+_BLOCK, _BLOCK_BACKWARD = BLOCK_OPS
+_THIS_FILE = os.path.abspath(__file__)
+WRAPPED = "block"  # the block's attribute name in the wrapper traced once
+
+
+@dataclass(frozen=True)
+class Captures:
+    """How a model was captured (``Program.notes["captures"]``): ``blocks`` calls of repeated blocks traced as
+    ``distinct`` captures, or the whole model traced (``whole``, with the reason when sharing was tried)."""
+
+    blocks: int = 0
+    distinct: int = 0
+    whole: bool = True
+    reason: str = ""
+
+
+@dataclass
+class Representative:
+    """A block's joint graph, traced once, and how its inputs and outputs map to a ``fxpar::block`` call."""
+
+    gm: fx.GraphModule
+    inputs: dict[fx.Node, int]  # placeholder -> index in the op's tensor inputs
+    tangents: dict[fx.Node, int]  # placeholder -> index of the block's tensor output it is the gradient of
+    forward: list[fx.Node]  # the nodes a forward call copies, in order
+    backward: list[fx.Node]
+    outputs: dict[int, fx.Node]  # block tensor output -> node
+    grads: dict[int, fx.Node]  # op input -> its gradient's node
+    provenance: dict[fx.Node, Provenance]  # module relative to the block ("", ".mlp.up"; None: none), source, phase
+    forward_graph: fx.Graph  # the exported forward (pipeline stage costs)
+    n_user_inputs: int
+
+    @property
+    def read_inputs(self) -> set[int]:
+        """The op inputs the block's graph reads (forward or backward)."""
+        return {i for ph, i in self.inputs.items() if ph.users}
+
+
+class _BlockCall(torch.nn.Module):
+    """The block called on its flat tensor inputs, returning the tensor outputs the model uses."""
+
+    def __init__(self, site: Site, used: tuple[int, ...]) -> None:
+        super().__init__()
+        setattr(self, WRAPPED, site.module)
+        self._site, self._used = site, used
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        given = iter(tensors)
+        flat = [next(given) if c is TENSOR else c for c in self._site.constants]
+        args, kwargs = pytree.tree_unflatten(flat, self._site.in_spec)
+        outs = [x for x in pytree.tree_leaves(getattr(self, WRAPPED)(*args, **kwargs)) if isinstance(x, torch.Tensor)]
+        return tuple(outs[i] for i in self._used)
+
+
+class Blocks:
+    """The sites of one export and their representatives, traced on first use (``of``)."""
+
+    def __init__(self, table: BlockTable, fake_mode: Any, trace_context: Any) -> None:
+        self.table, self.fake_mode, self.trace_context = table, fake_mode, trace_context
+        self.used: dict[int, tuple[int, ...]] = {}  # site id -> tensor outputs the model reads
+        self.reps: dict[tuple[Any, ...], Representative] = {}
+
+    def note_uses(self, graph: fx.Graph) -> None:
+        """Record which tensor outputs of every ``fxpar::block`` node of the exported forward ``graph`` are read."""
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target is _BLOCK:
+                used = sorted({u.args[1] for u in n.users if u.target is operator.getitem and u.users})
+                if len(used) != len(n.users) and any(u.target is not operator.getitem for u in n.users):
+                    raise NotShared("a block's outputs are read as a list")
+                self.used[n.args[0]] = tuple(used)
+
+    def key(self, site_id: int) -> tuple[Any, ...]:
+        return (self.table.sites[site_id].key, self.used[site_id])
+
+    def of(self, site_id: int) -> Representative:
+        key = self.key(site_id)
+        if key not in self.reps:
+            with self.trace_context():
+                self.reps[key] = _trace(self.table.sites[site_id], self.used[site_id], self.fake_mode)
+        return self.reps[key]
+
+    def summary(self) -> Captures:
+        return Captures(blocks=len(self.used), distinct=len(self.reps), whole=False)
+
+    def cost(self, site_id: int, data: tuple[bool, ...], node_cost: Any) -> float:
+        """The forward cost of a call (``fxpar.stages.node_cost`` summed over the block's nodes that depend on the
+        model's inputs, as in a whole-model export): ``data[i]`` says if the call's input ``i`` does."""
+        rep = self.of(site_id)
+        placeholders = [n for n in rep.forward_graph.nodes if n.op == "placeholder"]
+        users = placeholders[len(placeholders) - rep.n_user_inputs:]
+        seen = {p for p, d in zip(users, data, strict=False) if d}
+        total = 0.0
+        for n in rep.forward_graph.nodes:
+            if n.op == "call_function" and any(a in seen for a in n.all_input_nodes):
+                seen.add(n)
+                total += node_cost(n)
+        return total
+
+
+def name_as_whole(gm: fx.GraphModule, blocks: Blocks) -> None:
+    """Rename the nodes of the exported forward ``gm`` (in place) to the names a whole-model export gives them: a
+    block call's outputs are named as the block's nodes that compute them (pipeline boundaries print them)."""
+    ns = fx.graph._Namespace()
+    for n in list(gm.graph.nodes):
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target is _BLOCK:
+            continue
+        if n.op == "call_function" and n.target is _BLOCK:
+            rep = blocks.of(n.args[0])
+            made = {r: ns.create_name(base_name(r.name), None) for r in rep.forward_graph.nodes
+                    if r.op == "call_function"}
+            outs = rep.forward_graph.output_node().args[0]
+            used = blocks.used[n.args[0]]
+            for u in n.users:
+                u.name = made[outs[used.index(u.args[1])]] if u.users else ns.create_name("_fxpar_unused", None)
+            n.name = ns.create_name("_fxpar_block", None)
+        else:
+            keep = n.op in ("placeholder", "get_attr", "output")
+            n.name = ns.create_name(n.name if keep else base_name(n.name), None)
+    gm.graph._graph_namespace = ns
+    gm.recompile()
+
+
+def _trace(site: Site, used: tuple[int, ...], fake_mode: Any) -> Representative:
+    """Export and capture one block call as the whole model's capture would see it."""
+    wrapper = _BlockCall(site, used)
+    with fake_mode:
+        made: list[torch.Tensor] = []
+        for i, (shape, stride, dtype, requires_grad, first, _) in enumerate(site.templates):
+            if first != i:
+                made.append(made[first])
+                continue
+            t = torch.empty_strided(shape, stride, dtype=dtype)
+            made.append(t.requires_grad_(requires_grad))
+        args = tuple(made)
+        ep = torch.export.export(wrapper, args, strict=False)
+        with ExitStack() as stack:
+            joint = aot_export_joint_with_descriptors(stack, ep.module(), args)
+    return _representative(joint.graph_module, site, used, ep.graph_module.graph, len(args))
+
+
+def _representative(gm: fx.GraphModule, site: Site, used: tuple[int, ...], forward_graph: fx.Graph,
+                    n_inputs: int) -> Representative:
+    n_args, n_params = site.n_args, len(site.params)
+    where = {f"{WRAPPED}.{p}": n_args + i for i, p in enumerate(site.params)}
+    where.update({f"{WRAPPED}.{b}": n_args + n_params + i for i, b in enumerate(site.buffers)})
+    inputs, tangents = {}, {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        desc = n.meta["desc"]
+        kind = type(desc).__name__
+        if kind in ("ParamAOTInput", "BufferAOTInput"):
+            inputs[n] = where[desc.target]
+        elif kind == "PlainAOTInput":
+            inputs[n] = desc.idx
+        elif kind == "TangentAOTInput":
+            tangents[n] = used[desc.output.idx]
+        else:
+            raise NotShared(f"a block has an input AOTAutograd calls {kind}")
+    if gm.graph.find_nodes(op="get_attr"):
+        raise NotShared("a block's graph reads constants")
+    out = gm.graph.output_node()
+    outputs, grads = {}, {}
+    for value, desc in zip(out.args[0], out.meta["desc"], strict=True):
+        kind = type(desc).__name__
+        if value is None:
+            continue
+        if kind == "PlainAOTOutput":
+            outputs[used[desc.idx]] = value
+        elif kind == "GradAOTOutput":
+            of = desc.grad_of
+            grads[where[of.target] if hasattr(of, "target") else of.idx] = value
+        else:
+            raise NotShared(f"a block has an output AOTAutograd calls {kind}")
+    body = [n for n in gm.graph.nodes if n.op == "call_function"]
+    backward = [n for n in body if n.meta.get("partitioner_tag") == "is_backward"]
+    forward = [n for n in body if n.meta.get("partitioner_tag") != "is_backward"]
+    if body != forward + backward:
+        raise NotShared("a block's joint graph interleaves forward and backward nodes")
+    provenance = {n: _relative_provenance(n) for n in body}
+    return Representative(gm, inputs, tangents, forward, backward, outputs, grads, provenance, forward_graph,
+                          n_inputs)
+
+
+def _relative_provenance(n: fx.Node) -> Provenance:
+    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+    module = _clean_module_path(list(stack.values())[-1][0]) if stack else ""
+    # inside the block: relative to it ("" or ".mlp.up"); else (no module, or the wrapper's root) outside: None
+    inside = module == WRAPPED or module.startswith(WRAPPED + ".")
+    module = module[len(WRAPPED):] if inside else None
+    phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
+    return Provenance(module, user_source(n.meta.get("stack_trace"), skip=(_THIS_FILE,)), phase)
+
+
+def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphModule:
+    """``gm``'s joint graph with every ``fxpar::block``/``fxpar::block_backward`` node replaced by the block's own
+    nodes. ``outer_source(node)``: the user's line of a call, for block nodes that have none inside the block."""
+    g = fx.Graph()
+    g._codegen = gm.graph._codegen
+    env: dict[fx.Node, Any] = {}
+    calls: dict[int, tuple[dict[fx.Node, fx.Node], Site, str, Names]] = {}
+    outer = Names(g)
+    dead = _dead_without_blocks(gm.graph, blocks)
+    for n in gm.graph.nodes:
+        if n in dead:  # read only by a block that ignores it: the whole-model trace made it, then dropped it
+            g._graph_namespace.create_name(outer.take(n.name), None)
+        elif n.op == "placeholder":
+            env[n] = g.placeholder(n.name, type_expr=n.type)
+            env[n].meta = dict(n.meta)
+        elif n.op == "output":
+            out = g.output(fx.map_arg(n.args[0], lambda a: env[a]), type_expr=n.type)
+            out.meta = dict(n.meta)
+        elif n.target is _BLOCK:
+            site_id, tensors = n.args
+            rep, renv = blocks.of(site_id), {}
+            for ph, i in rep.inputs.items():
+                renv[ph] = env[tensors[i]]
+            site = blocks.table.sites[site_id]
+            calls[site_id] = (renv, site, outer_source(n), Names(g))
+            _copy_all(g, rep.forward, renv, rep, site.path, *calls[site_id][2:])
+            env[n] = {k: renv[v] for k, v in rep.outputs.items()}
+        elif n.target is _BLOCK_BACKWARD:
+            site_id, _, grad_outputs, grads, grad_inputs = n.args
+            rep = blocks.of(site_id)
+            renv, site, source, names = calls[site_id]
+            if sorted(grad_outputs) != sorted(rep.tangents.values()) or list(grad_inputs) != sorted(rep.grads):
+                raise NotShared(f"{site.path}: the gradients the model passes differ from the block's own")
+            for ph, k in rep.tangents.items():
+                renv[ph] = env[grads[list(grad_outputs).index(k)]]
+            _copy_all(g, rep.backward, renv, rep, site.path, source, names)
+            env[n] = {j: renv[rep.grads[i]] for j, i in enumerate(grad_inputs)}
+        elif n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target in BLOCK_OPS:
+            env[n] = env[n.args[0]][n.args[1]]
+            outer.skip(n.name)
+        else:
+            env[n] = g.create_node(n.op, n.target, fx.map_arg(n.args, lambda a: env[a]),
+                                   fx.map_arg(n.kwargs, lambda a: env[a]), name=outer.take(n.name), type_expr=n.type)
+            env[n].meta = dict(n.meta)
+    return fx.GraphModule(gm, g)
+
+
+_ILLEGAL = fx.graph._illegal_names
+_STACK_KEYS = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace")
+
+
+def _dead_without_blocks(graph: fx.Graph, blocks: Blocks) -> set[fx.Node]:
+    """Nodes of the model's own graph that only feed block inputs the block's graph never reads (and nodes that
+    only feed those): dead code once the block's nodes replace its call. Nodes without users (asserts) stay."""
+    dead: set[fx.Node] = set()
+
+    def unread(user: fx.Node, n: fx.Node) -> bool:
+        if user in dead:
+            return True
+        if user.target is _BLOCK:
+            used = blocks.of(user.args[0]).read_inputs
+            return all(a is not n for i, a in enumerate(user.args[1]) if i in used)
+        if user.target is _BLOCK_BACKWARD:
+            rep = blocks.of(user.args[0])
+            grads_read = {user.args[2][j] for j in range(len(user.args[3]))} & set(rep.tangents.values())
+            return all(a is not n for i, a in enumerate(user.args[1]) if i in rep.read_inputs) and \
+                all(a is not n for j, a in enumerate(user.args[3]) if user.args[2][j] in grads_read)
+        return False
+
+    for n in reversed(graph.nodes):
+        if n.op in ("call_function", "get_attr") and n.target not in BLOCK_OPS and n.users and \
+                all(unread(u, n) for u in n.users):
+            dead.add(n)
+    return dead
+
+
+class Names:
+    """Names for nodes copied into ``g`` from one traced graph (the model's own, or one call of a block's), in its
+    order, as one trace of everything gives them: the tracer numbers ``mm``, ``mm_1``, ... and a name the source
+    skips (a node it made, then dropped as dead code, as the whole-model trace does too) is taken here too."""
+
+    def __init__(self, g: fx.Graph) -> None:
+        self.ns = g._graph_namespace
+        self.last: dict[str, int] = {}
+
+    def take(self, name: str) -> str:
+        """The base name to create a copy of source node ``name`` under (after taking the names it skipped)."""
+        base, k = split_name(name)
+        for _ in range(k - self.last.get(base, -1) - 1):
+            self.ns.create_name(base, None)
+        self.last[base] = k
+        return base
+
+    def skip(self, name: str) -> None:
+        """Source node ``name`` is not copied, and no whole-model trace has it (a block call's output)."""
+        base, k = split_name(name)
+        self.last[base] = k
+
+
+def split_name(name: str) -> tuple[str, int]:
+    """(base, how many names of that base came before): ``mm_12`` -> ("mm", 12); ``mm`` -> ("mm", 0); a Python
+    builtin's base is never used bare: ``slice_1`` is the first slice -> ("slice", 0)."""
+    base = base_name(name)
+    k = int(name[len(base) + 1:]) if base != name else 0
+    return base, k - 1 if base in _ILLEGAL and k > 0 else k
+
+
+def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], rep: Representative, path: str,
+              source: str, names: Names) -> None:
+    for r in nodes:
+        new = g.create_node("call_function", r.target, fx.map_arg(r.args, renv.__getitem__),
+                            fx.map_arg(r.kwargs, renv.__getitem__), name=names.take(r.name), type_expr=r.type)
+        meta = {k: v for k, v in r.meta.items() if k not in _STACK_KEYS}
+        rel = rep.provenance[r]
+        module = "" if rel.module is None else path + rel.module
+        meta["fxpar_provenance"] = Provenance(module, rel.source or source, rel.phase)
+        new.meta = meta
+        renv[r] = new

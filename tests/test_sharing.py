@@ -1,0 +1,115 @@
+"""Trace a repeated block once, lower once per role (issue 19).
+
+* Models whose layers differ compile with the distinct captures they need (Gemma2's sliding and global
+  layers, Qwen3-MoE's dense and sparse layers, a Llama with a wider MLP in every other layer), print the
+  same programs and ledgers with sharing off (``FXPAR_SHARING=0``), and match the single device on gloo.
+* Ranks that differ only in their groups share one lowering, each bound to its own groups (equal to it
+  lowered alone); uneven shapes make each coordinate its own role.
+* ``verify`` says what it checked.
+The golden replay (``tests/test_golden.py``) shows sharing on == off for every feature's golden case.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.models import mixed
+from fxpar.models.llama import llama, llama_plan
+from fxpar.testing import assert_equivalent
+
+pytest.importorskip("transformers")
+from fxpar.models import hf_families  # noqa: E402
+
+SMALL = dict(vocab_size=64, hidden=32, intermediate=64, n_heads=4, n_kv_heads=2, max_seq=16)
+
+
+@contextmanager
+def sharing(on: bool, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with monkeypatch.context() as m:
+        m.setenv("FXPAR_SHARING", "1" if on else "0")
+        yield
+
+
+def _compile(build: Callable[[], torch.nn.Module], axes: dict[str, int], inputs: tuple, plan: object = None,
+             **kw: object) -> fxpar.ParallelModule:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxpar.FxparWarning)
+        return fxpar.parallelize(build(), fxpar.Mesh(axes, fake=True), inputs, plan=plan, **kw)
+
+
+TOKENS = (torch.randint(3, 64, (4, 16), generator=torch.Generator().manual_seed(0)),)
+MIXED = [
+    ("gemma2_alternating", mixed.gemma2_alternating, {"dp": 2}, None, 4, 2),
+    ("qwen3_moe_mixed", mixed.qwen3_moe_mixed, {"dp": 2}, None, 4, 2),
+    ("mixtral", hf_families.mixtral, {"dp": 2}, None, 2, 1),
+    ("llama_wide_layers", functools.partial(mixed.llama_wide_layers, **SMALL), {"dp": 2, "tp": 2}, llama_plan(), 4, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "build", "axes", "plan", "blocks", "distinct"), MIXED, ids=[m[0] for m in MIXED])
+def test_differing_layers_capture_what_they_need(name: str, build: Callable[[], torch.nn.Module], axes: dict,
+                                                 plan: object, blocks: int, distinct: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each distinct layer structure is traced once; the programs and ledgers equal the whole-model capture's."""
+    inputs = hf_families.inputs("llama") if name != "llama_wide_layers" else TOKENS
+    with sharing(True, monkeypatch):
+        on = _compile(build, axes, inputs, plan)
+    captures = on._compiled.stages[0].notes["captures"]
+    assert (captures.whole, captures.blocks, captures.distinct) == (False, blocks, distinct), captures
+    with sharing(False, monkeypatch):
+        off = _compile(build, axes, inputs, plan)
+    assert off._compiled.stages[0].notes["captures"].whole
+    for rank in (0, on._compiled.mesh.size - 1):
+        assert on.program(rank) == off.program(rank)
+        assert on.ledger_table(rank) == off.ledger_table(rank)
+
+
+@pytest.mark.parametrize(("build", "axes", "plan"), [
+    (mixed.gemma2_alternating, {"dp": 2}, None),
+    (mixed.qwen3_moe_mixed, {"tp": 2}, fxpar.Plan(tp="hf")),
+    (functools.partial(mixed.llama_wide_layers, **SMALL), {"dp": 2, "tp": 2}, llama_plan()),
+], ids=["gemma2_dp2", "qwen3_moe_mixed_tp2", "llama_wide_layers_dp2_tp2"])
+def test_differing_layers_match_single_device(build: Callable[[], torch.nn.Module], axes: dict,
+                                              plan: object) -> None:
+    """Stitched programs of models with differing layers train like the single device (fp32, rtol 1e-5)."""
+    inputs = TOKENS if "wide" in str(build) else hf_families.inputs("llama")
+    assert_equivalent(build, axes, plan, inputs, steps=2)
+
+
+def test_sharing_escape_hatch_traces_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FXPAR_SHARING=0`` captures the whole model and lowers every rank on its own."""
+    with sharing(False, monkeypatch):
+        pm = _compile(functools.partial(llama, n_layers=3, **SMALL), {"dp": 2, "tp": 2}, TOKENS, llama_plan())
+        for r in range(4):
+            pm.program(r)
+    assert pm._compiled.stages[0].notes["captures"].whole
+    assert pm._compiled.roles.count() == 0
+
+
+def test_roles_bind_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks that differ only in their groups share one lowering; each prints its own groups, as if lowered alone."""
+    build = functools.partial(llama, n_layers=2, **SMALL)
+    with sharing(True, monkeypatch):
+        on = _compile(build, {"dp": 2, "tp": 2}, TOKENS, llama_plan())
+        texts = {r: on.program(r) + on.ledger_table(r) for r in range(4)}
+    assert on._compiled.roles.count() == 1
+    assert "tp[2,3]" in texts[3] and "tp[0,1]" not in texts[3]
+    with sharing(False, monkeypatch):
+        off = _compile(build, {"dp": 2, "tp": 2}, TOKENS, llama_plan())
+        assert all(off.program(r) + off.ledger_table(r) == texts[r] for r in range(4))
+
+
+def test_uneven_shapes_are_their_own_roles() -> None:
+    """A tp width that does not divide gives each tp coordinate its own role, and verify simulates all of them."""
+    pm = _compile(functools.partial(llama, n_layers=2, **{**SMALL, "intermediate": 66}), {"tp": 4}, TOKENS,
+                  llama_plan())
+    assert pm._compiled.roles.count() == 4
+    assert len(pm.proof.ranks) == 4 and pm.proof.roles == 4
