@@ -34,6 +34,8 @@ from fxpar.split import CONTEXT_AXIS
 from fxpar.stitch import Blocks, Captures, name_as_whole, stitch
 
 _BLOCKS_FILE = os.path.abspath(_blocks_module.__file__)
+log = logging.getLogger("fxpar.capture")
+T = TypeVar("T")
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXPAR_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,10 +81,6 @@ def with_shared_blocks(build: Callable[[Sharing], T]) -> T:
     except Exception as e:  # noqa: BLE001 - the whole-model capture decides what the user sees
         log.debug("repeated blocks not shared (%s: %s); tracing the whole model", type(e).__name__, e)
         return build(Sharing(False, f"{type(e).__name__}: {e}"))
-
-
-log = logging.getLogger("fxpar.capture")
-T = TypeVar("T")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fxpar.blocks import sharing_enabled
 from fxpar.compiled import Compiled
 from fxpar.rank_step import Comm, StepEvent, rank_step
 from fxpar.schedules import Action, DeadlockError
@@ -58,7 +59,7 @@ class Proof:
 
     ranks: tuple[int, ...]
     mesh_size: int
-    roles: int  # distinct lowered programs (roles) behind the simulated ranks' stages
+    roles: int  # distinct lowered programs (roles) behind the simulated ranks' stages (each rank's own: sharing off)
     groups: int  # process groups whose members' collectives were matched
     collectives: int
     transfers: int  # point-to-point sends and receives matched
@@ -91,7 +92,8 @@ def verify(pm: Any, ranks: str | list[int] = "roles", actions: dict[int, list[Ac
     comms = [i.comm for evs in issued.values() for i in evs]
     p2p = sum(m.op in ("send", "recv") for m in comms)
     groups = {m.ranks for m in comms if m.op not in ("send", "recv")}
-    return Proof(tuple(chosen), c.mesh.size, len(_role_ids(c, chosen)), len(groups), len(comms) - p2p, p2p,
+    roles = _role_ids(c, chosen) if sharing_enabled() else {(r, s) for r in chosen for s in c.stage_of_rank(r)}
+    return Proof(tuple(chosen), c.mesh.size, len(roles), len(groups), len(comms) - p2p, p2p,
                  sum(len(e) for e in steps.values()))
 
 
