@@ -80,7 +80,10 @@ def with_shared_blocks(build: Callable[[Sharing], T]) -> T:
         return build(Sharing(True))
     except Exception as e:  # noqa: BLE001 - the whole-model capture decides what the user sees
         log.debug("repeated blocks not shared (%s: %s); tracing the whole model", type(e).__name__, e)
-        return build(Sharing(False, f"{type(e).__name__}: {e}"))
+        reason = f"{type(e).__name__}: {e}"
+    # outside the except clause: an error of the whole-model capture must not chain to the shared attempt's
+    # (error reports walk the chain for the user's line)
+    return build(Sharing(False, reason))
 
 
 @dataclass
