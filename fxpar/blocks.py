@@ -51,6 +51,15 @@ TENSOR = _Slot()
 _OUT_META: dict[int, tuple[tuple[Any, ...], ...]] = {}  # site id -> (shape, stride, dtype) of each tensor output
 
 
+SHARE_MIN_ENV = "FXPAR_SHARE_MIN"  # the fewest copies of a block worth tracing once (default 4)
+
+
+def share_min() -> int:
+    """Blocks repeated fewer times than this are traced in place: for a 2- or 3-layer model the block's own
+    export and joint cost more than tracing its copies."""
+    return int(os.environ.get(SHARE_MIN_ENV, "4"))
+
+
 def sharing_enabled() -> bool:
     """Whether repeated blocks are traced once (default) or every layer is traced (``FXPAR_SHARING=0``)."""
     return os.environ.get(SHARING_ENV, "1") != "0"
@@ -158,7 +167,7 @@ def find_blocks(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> dict[s
         for m in kids.values():
             counts[structure_key(m)] = counts.get(structure_key(m), 0) + 1
         for path, m in kids.items():
-            if counts[structure_key(m)] > 1 and not _has_hooks(m) and not _inside(exclude, path):
+            if counts[structure_key(m)] >= max(2, share_min()) and not _has_hooks(m) and not _inside(exclude, path):
                 found[path] = m
     owners: dict[int, set[str]] = {}
     for path, m in found.items():

@@ -22,6 +22,12 @@ from golden_cases import CASES, GOLDEN_DIR, REGEN_COMMAND, Case, render_module  
 
 from fxpar.blocks import find_blocks  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _share_two_layer_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cases have 2-4 layers: share blocks repeated twice (the default only shares 4 or more)."""
+    monkeypatch.setenv("FXPAR_SHARE_MIN", "2")
+
 MAX_DIFF_LINES = 80
 
 

@@ -27,6 +27,12 @@ from fxpar.testing import assert_equivalent
 pytest.importorskip("transformers")
 from fxpar.models import hf_families  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _share_two_layer_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cases have 2-4 layers: share blocks repeated twice (the default only shares 4 or more)."""
+    monkeypatch.setenv("FXPAR_SHARE_MIN", "2")
+
 SMALL = dict(vocab_size=64, hidden=32, intermediate=64, n_heads=4, n_kv_heads=2, max_seq=16)
 
 
