@@ -16,6 +16,11 @@ class ReadCoord(tuple):
         obj.read = set()
         return obj
 
+    def peek(self, i: int) -> int:
+        """Axis ``i``'s coordinate, not recorded as read: for a value that binding rewrites per rank
+        (``fxpar.roles.bind``), such as the start of an even slice."""
+        return tuple.__getitem__(self, i)
+
     def __getitem__(self, i: Any) -> Any:
         self.read.update(range(len(self))[i] if isinstance(i, slice) else [range(len(self))[i]])
         return super().__getitem__(i)

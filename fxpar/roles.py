@@ -5,9 +5,10 @@ holds, which slice of a sharded value, which cp chunks) and names the rank's pro
 ``ReadCoord`` records which axes' coordinates were read. Another rank of the same stage whose
 coordinate agrees on those axes would lower to the same graphs with other group names, so its
 program is the role's, bound to its groups (``bind``): the graphs are copied with every group
-name (``"tp[0,1]"`` -> ``"tp[2,3]"``) and every ledger row's group rewritten. A role is a stage
-plus the coordinates its lowering read; ``pm.program(rank)`` of a 16,384-rank fake mesh lowers
-one role per stage and binds any rank to it in time linear in the program, not the mesh.
+name (``"tp[0,1]"`` -> ``"tp[2,3]"``), every ledger row's group and the start of every even slice
+(a rank's own piece of a whole value, tagged ``COORD_SLICE``; lowering does not count it as a read)
+rewritten. A role is a stage plus the coordinates its lowering read; ``pm.program(rank)`` of a
+16,384-rank fake mesh lowers one role per stage and binds any rank to it in time linear in the program, not the mesh.
 
 ``FXPAR_SHARING=0`` lowers every rank on its own (the programs must be byte-identical).
 """
@@ -23,6 +24,7 @@ import torch.fx as fx
 
 from fxpar.blocks import sharing_enabled
 from fxpar.lower import RankProgram, group_name
+from fxpar.lower.collectives import COORD_SLICE
 from fxpar.lower.program import LedgerRow
 from fxpar.mesh import Mesh
 from fxpar.read_coord import ReadCoord  # noqa: F401 - re-exported: the coordinate lowering records
@@ -90,8 +92,10 @@ def bind(rp: RankProgram, rank: int, mesh: Mesh) -> RankProgram:
     def row(r: LedgerRow) -> LedgerRow:
         return dataclasses.replace(r, group=tuple(mesh.group_ranks(rank, r.axis))) if r.axis in mesh.axes else r
 
+    coord = mesh.coord(rank)
+
     def graph(gm: fx.GraphModule | None) -> fx.GraphModule | None:
-        return None if gm is None else _renamed(gm, rename, row)
+        return None if gm is None else _renamed(gm, rename, row, coord)
 
     return dataclasses.replace(
         rp, rank=rank, coord=mesh.coord(rank), joint=graph(rp.joint), forward=graph(rp.forward),
@@ -99,7 +103,9 @@ def bind(rp: RankProgram, rank: int, mesh: Mesh) -> RankProgram:
         ledger=[row(r) for r in rp.ledger], gather_ledger=[row(r) for r in rp.gather_ledger], groups=groups)
 
 
-def _renamed(gm: fx.GraphModule, rename: dict[str, str], row: Callable[[LedgerRow], LedgerRow]) -> fx.GraphModule:
+def _renamed(gm: fx.GraphModule, rename: dict[str, str], row: Callable[[LedgerRow], LedgerRow],
+             coord: tuple[int, ...]) -> fx.GraphModule:
+    """A copy of ``gm`` with group names renamed, ledger rows rebound and even slices started at ``coord``'s piece."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = g.graph_copy(gm.graph, env)
@@ -111,5 +117,8 @@ def _renamed(gm: fx.GraphModule, rename: dict[str, str], row: Callable[[LedgerRo
             n.kwargs = fx.node.map_aggregate(n.kwargs, lambda a: rename.get(a, a) if isinstance(a, str) else a)
         if "ledger_row" in n.meta:
             n.meta["ledger_row"] = row(n.meta["ledger_row"])
+        if COORD_SLICE in n.meta and n.op == "call_function":  # this rank's piece of an even split
+            ax, size = n.meta[COORD_SLICE]
+            n.args = (*n.args[:2], coord[ax] * size, (coord[ax] + 1) * size)
     g._codegen = gm.graph._codegen
     return fx.GraphModule(gm, g)

@@ -16,6 +16,12 @@ from fxpar.split import Splitter
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+COORD_SLICE = "fxpar_coord_slice"  # node meta of an even slice ``(axis index, size)``: bind sets its start per rank
+
+
+def _peek(coord: tuple[int, ...], ax: int) -> int:
+    """Axis ``ax``'s coordinate, not recorded as read by a ``ReadCoord``."""
+    return coord.peek(ax) if hasattr(coord, "peek") else coord[ax]
 
 
 class CollectiveEmitter(Emitter):
@@ -56,6 +62,12 @@ class CollectiveEmitter(Emitter):
             chunks = [self.emit(aten.slice.Tensor, (x, d, p[0], p[-1] + 1), module=module)
                       for p in (positions[:half], positions[half:])]
             return self.emit(aten.cat.default, (chunks, d), placements=after, module=module)
+        sizes = self.split.sizes(total, ax)
+        if len(set(sizes)) == 1:  # even: the start is bound per rank (COORD_SLICE), so the role need not read it
+            start, size = _peek(self.coord, ax) * sizes[0], sizes[0]
+            y = self.emit(aten.slice.Tensor, (x, d, start, start + size), placements=after, module=module)
+            y.meta[COORD_SLICE] = (ax, size)
+            return y
         start, size = self.split.piece(total, ax, self.coord[ax])
         return self.emit(aten.slice.Tensor, (x, d, start, start + size), placements=after, module=module)
 
