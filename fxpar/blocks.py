@@ -264,8 +264,9 @@ def _fake_run(module: torch.nn.Module, forward: Callable[..., Any], fake_mode: A
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    # no ``torch.no_grad()`` here: export records every grad-mode switch, even outside the trace, and inlines
+    # each such region with a whole-graph recompile (quadratic in layers); a factory op has no history anyway
+    x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     return x.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else x
 
 
