@@ -15,6 +15,10 @@ call. What makes two calls the same (a ``Site``'s key):
   value for plain data and by identity for anything else: ``self.sliding_window`` splits
   Gemma2's sliding and global layers, an unread ``self.layer_idx`` does not.
 
+Only the first call of each variant is run: a later call with the same structure, arguments and global
+modes whose module holds the same values for every attribute that run read would run the same code
+the same way, so its outputs' shapes are taken from the first (80 layers cost one fake run each, not 80).
+
 A block whose parameters are shared with another block, or that has hooks, is called as usual.
 """
 
@@ -141,7 +145,7 @@ class BlockTable:
 
     blocks: dict[str, torch.nn.Module]  # path -> block module, the candidates
     sites: dict[int, Site] = field(default_factory=dict)
-    _runs: dict[tuple[Any, ...], list[tuple[Any, ...]]] = field(default_factory=dict)  # key -> reads variants
+    _runs: dict[tuple[Any, ...], list[_Run]] = field(default_factory=dict)  # key -> its variants, by reads
 
     def __post_init__(self) -> None:
         weakref.finalize(self, _forget, self.sites)
@@ -230,19 +234,69 @@ def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forwa
         params = dict(module.named_parameters())
         buffers = dict(module.named_buffers())
         templates = _tensor_keys(tensors)
-        key = (structure_key(module), str(in_spec), tuple(map(_value_key, constants)), templates)
-        out_leaves, out_spec, reads = _fake_run(module, forward, fake_mode, args, kwargs, tensors)
-        key = (*key, _variant(table, key, module, reads))
+        key = (structure_key(module), str(in_spec), tuple(map(_value_key, constants)), templates, _global_state())
+        variant, run = _known_run(table, key, module)
+        if run is None:
+            out_leaves, out_spec, reads = _fake_run(module, forward, fake_mode, args, kwargs, tensors)
+            variant, run = _record_run(table, key, _Run(reads, out_spec, tuple(
+                TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves), tuple(
+                (tuple(t.shape), t.stride(), t.dtype) for t in out_leaves if isinstance(t, torch.Tensor))))
         site = Site(next(_site_ids), path, module, in_spec, constants, len(tensors), tuple(params), tuple(buffers),
-                    out_spec, tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves), templates, key)
+                    run.out_spec, run.out_constants, templates, (*key, variant))
         table.sites[site.id] = site
-        _OUT_META[site.id] = tuple((tuple(t.shape), t.stride(), t.dtype) for t in out_leaves
-                                   if isinstance(t, torch.Tensor))
+        _OUT_META[site.id] = run.out_meta
         outs = iter(block_call(site.id, [*tensors, *params.values(), *buffers.values()]))
-        return pytree.tree_unflatten([next(outs) if c is TENSOR else c for c in site.out_constants], out_spec)
+        return pytree.tree_unflatten([next(outs) if c is TENSOR else c for c in site.out_constants], run.out_spec)
 
     call.original = forward  # type: ignore[attr-defined]
     return call
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one fake run of a block showed: the plain attributes its code read and its outputs' structure."""
+
+    reads: dict[tuple[str, str], Any]  # (submodule path, attribute) -> value
+    out_spec: Any
+    out_constants: tuple[Any, ...]  # the flat output leaves, TENSOR where a tensor goes
+    out_meta: tuple[tuple[Any, ...], ...]  # shape, stride, dtype of each output tensor
+
+
+def _global_state() -> tuple[Any, ...]:
+    """The global modes a block's code may branch on."""
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled(), torch.is_inference_mode_enabled())
+
+
+def _known_run(table: BlockTable, key: tuple[Any, ...], module: torch.nn.Module) -> tuple[int, _Run | None]:
+    """An earlier run with the same ``key`` whose read attributes have the same values on ``module``: the block's
+    code depends on nothing else, so this call would run the same way (its fake run is skipped)."""
+    runs = table._runs.get(key, [])
+    for i, run in enumerate(runs):
+        if all(_value_key(_attribute(module, where, name)) == _value_key(v) for (where, name), v in run.reads.items()):
+            return i, run
+    return len(runs), None
+
+
+def _attribute(module: torch.nn.Module, where: str, name: str) -> Any:
+    return module.get_submodule(where).__dict__.get(name, _MISSING)
+
+
+_MISSING = object()
+
+
+def _record_run(table: BlockTable, key: tuple[Any, ...], run: _Run) -> tuple[int, _Run]:
+    """Which set of read-attribute values this run has among the runs with the same ``key`` (0, 1, ...)."""
+    values = _reads_key(run.reads)
+    runs = table._runs.setdefault(key, [])
+    for i, known in enumerate(runs):
+        if _reads_key(known.reads) == values:
+            return i, known
+    runs.append(run)
+    return len(runs) - 1, run
+
+
+def _reads_key(reads: dict[tuple[str, str], Any]) -> tuple[Any, ...]:
+    return tuple(sorted((k, _value_key(v)) for k, v in reads.items()))
 
 
 def _fake_run(module: torch.nn.Module, forward: Callable[..., Any], fake_mode: Any, args: Any, kwargs: Any,
@@ -268,16 +322,6 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
     # each such region with a whole-graph recompile (quadratic in layers); a factory op has no history anyway
     x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     return x.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else x
-
-
-def _variant(table: BlockTable, key: tuple[Any, ...], module: torch.nn.Module, reads: dict[tuple[str, str], Any]
-             ) -> int:
-    """Which set of read-attribute values this call has among the calls with the same ``key`` (0, 1, ...)."""
-    values = tuple(sorted((k, _value_key(v)) for k, v in reads.items()))
-    variants = table._runs.setdefault(key, [])
-    if values not in variants:
-        variants.append(values)
-    return variants.index(values)
 
 
 def _value_key(v: Any) -> Any:
