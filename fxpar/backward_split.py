@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fxpar.ir import graph_module
+
 
 def split_backward(backward: fx.GraphModule, input_grad_positions: set[int]) -> tuple[fx.GraphModule, fx.GraphModule]:
     """``b(saved..., tangents...) -> (input grads..., stash...)`` and ``w(saved..., tangents..., stash...) -> grads``.
@@ -45,7 +47,7 @@ def split_backward(backward: fx.GraphModule, input_grad_positions: set[int]) -> 
             w_env[n] = w_graph.node_copy(n, lambda a: w_env[a])
     w_graph.output(tuple(None if i in input_grad_positions or not isinstance(o, fx.Node) else w_env[o]
                          for i, o in enumerate(outs)))
-    b, w = fx.GraphModule(backward, b_graph), fx.GraphModule(backward, w_graph)
+    b, w = graph_module(backward, b_graph), graph_module(backward, w_graph)
     b.graph.eliminate_dead_code()
     w.graph.eliminate_dead_code()
     b.recompile()

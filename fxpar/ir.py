@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Placement
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fxpar.mesh import Mesh
 
@@ -159,3 +160,10 @@ def consumed_tensors(node: fx.Node) -> list[fx.Node | None]:
     if node.op == "output":
         return [a if tensor_val(a) is not None else None for a in node.args[0]]
     return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
+
+
+def graph_module(root: torch.nn.Module | dict[str, Any], graph: fx.Graph) -> fx.GraphModule:
+    """An ``fx.GraphModule`` of ``graph`` whose Python code is generated when it is first run or printed, not when
+    it is built or ``recompile()`` is called (torch's ``_LazyGraphModule``): compiling an 80-layer model builds and
+    rewrites dozens of graphs of tens of thousands of nodes, most of which are never run."""
+    return _LazyGraphModule(root, graph)

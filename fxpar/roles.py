@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fxpar.blocks import sharing_enabled
+from fxpar.ir import graph_module
 from fxpar.lower import RankProgram, group_name
 from fxpar.lower.collectives import COORD_SLICE
 from fxpar.lower.program import LedgerRow
@@ -98,7 +99,7 @@ def bind(rp: RankProgram, rank: int, mesh: Mesh) -> RankProgram:
         return None if gm is None else _renamed(gm, rename, row, coord)
 
     return dataclasses.replace(
-        rp, rank=rank, coord=mesh.coord(rank), joint=graph(rp.joint), forward=graph(rp.forward),
+        rp, rank=rank, coord=mesh.coord(rank), joint=None, forward=graph(rp.forward),  # joint: only the role keeps it
         backward=graph(rp.backward), reduce_grads=graph(rp.reduce_grads), gather_params=graph(rp.gather_params),
         ledger=[row(r) for r in rp.ledger], gather_ledger=[row(r) for r in rp.gather_ledger], groups=groups)
 
@@ -121,4 +122,4 @@ def _renamed(gm: fx.GraphModule, rename: dict[str, str], row: Callable[[LedgerRo
             ax, size = n.meta[COORD_SLICE]
             n.args = (*n.args[:2], coord[ax] * size, (coord[ax] + 1) * size)
     g._codegen = gm.graph._codegen
-    return fx.GraphModule(gm, g)
+    return graph_module(gm, g)

@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from fxpar.capture import _clean_module_path
 from fxpar.errors import PlanError, close_matches
+from fxpar.ir import graph_module
 
 aten = torch.ops.aten
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int, aten.t.default,
@@ -238,7 +239,7 @@ def _build_stage(gm: fx.GraphModule, stage: dict[fx.Node, int], s: int, needed: 
         sent = [a.name for a in needed[s]]
     g.output(tuple(outs))
     g.eliminate_dead_code()
-    return StageGraph(s, fx.GraphModule(gm, g), [a.name for a in received], used_inputs, sent)
+    return StageGraph(s, graph_module(gm, g), [a.name for a in received], used_inputs, sent)
 
 
 def _closure(roots: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:

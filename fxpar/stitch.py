@@ -26,12 +26,15 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name
-from fxpar.ir import Provenance
+from fxpar.ir import Provenance, graph_module
 from fxpar.source import _clean_module_path, user_source
 
 _BLOCK, _BLOCK_BACKWARD = BLOCK_OPS
 _THIS_FILE = os.path.abspath(__file__)
 WRAPPED = "block"  # the block's attribute name in the wrapper traced once
+# node meta of a copied block node: (its block's capture, the node it copies). Copies of one node share its ``val``
+# and arguments up to renaming, so a pass may decide for one copy as for another whose inputs it sees the same way
+TEMPLATE = "fxpar_template"
 
 
 @dataclass(frozen=True)
@@ -264,7 +267,7 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
             env[n] = g.create_node(n.op, n.target, fx.map_arg(n.args, lambda a: env[a]),
                                    fx.map_arg(n.kwargs, lambda a: env[a]), name=outer.take(n.name), type_expr=n.type)
             env[n].meta = dict(n.meta)
-    return fx.GraphModule(gm, g)
+    return graph_module(gm, g)
 
 
 _ILLEGAL = fx.graph._illegal_names
@@ -336,5 +339,6 @@ def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], r
         rel = rep.provenance[r]
         module = "" if rel.module is None else path + rel.module
         meta["fxpar_provenance"] = Provenance(module, rel.source or source, rel.phase)
+        meta[TEMPLATE] = (id(rep), r.name)
         new.meta = meta
         renv[r] = new

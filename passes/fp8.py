@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from fxpar.errors import FxparWarning, PlanError
-from fxpar.ir import Program, Provenance
+from fxpar.ir import Program, Provenance, graph_module
 from fxpar.modules import ModuleTable
 from fxpar.pass_context import Context
 
@@ -43,7 +43,7 @@ def fp8(prog: Program, ctx: Context) -> Program:
     if ctx.plan.fp8 is None:
         return prog
     chosen = choose_modules(ctx.modules, ctx.plan.fp8)
-    gm = fx.GraphModule(prog.gm, _copy(prog.graph))  # rewrite a copy: the input Program's graph stays as it was
+    gm = graph_module(prog.gm, _copy(prog.graph))  # rewrite a copy: the input Program's graph stays as it was
     provenance = dict(prog.provenance)
     weights = _weight_nodes(prog, gm.graph)
     mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])

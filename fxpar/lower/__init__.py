@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from fxpar.ir import Program, py_name
+from fxpar.ir import Program, graph_module, py_name
 from fxpar.lower import overlap as issue_order  # the module: ``fxpar.lower.overlap`` stays importable
 from fxpar.lower.program import LedgerRow, RankProgram, group_name
 from fxpar.lower.retrace import Lowerer
@@ -56,7 +56,7 @@ def split_forward_backward(lw: Lowerer, rp: RankProgram) -> RankProgram:
 def add_reduce_grads(lw: Lowerer, rp: RankProgram) -> RankProgram:
     graph = lw.reduce_grads_graph(rp.backward)
     deferred = [(pos - lw.prog.signature.num_outputs, fqn) for pos, fqn, _ in lw.deferred]
-    return dataclasses.replace(rp, reduce_grads=fx.GraphModule(lw.root, graph) if graph is not None else None,
+    return dataclasses.replace(rp, reduce_grads=graph_module(lw.root, graph) if graph is not None else None,
                                deferred=deferred)
 
 
@@ -64,7 +64,7 @@ def add_gather_params(lw: Lowerer, rp: RankProgram) -> RankProgram:
     graph = lw.gather_params_graph()
     if graph is None:
         return rp
-    gm = fx.GraphModule(lw.root, graph)
+    gm = graph_module(lw.root, graph)
     return dataclasses.replace(rp, gather_params=gm, gather_ledger=_rows(gm.graph, None))
 
 

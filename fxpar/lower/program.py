@@ -31,7 +31,7 @@ class RankProgram:
 
     rank: int
     coord: tuple[int, ...]
-    joint: fx.GraphModule
+    joint: fx.GraphModule | None  # lowering's intermediate: a program bound from its role's has none
     forward: fx.GraphModule
     backward: fx.GraphModule
     saved: list[str]

@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 
-from fxpar.ir import Placements, Program, Step, consumed_tensors, py_name
+from fxpar.ir import Placements, Program, Step, consumed_tensors, graph_module, py_name
 from fxpar.lower.collectives import CollectiveEmitter
 from fxpar.lower.context import CAUSAL_ATTENTION, ContextMask
 from fxpar.lower.emit import Site
@@ -121,7 +121,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, ContextMask):
         for name, value in self.constants.items():
             setattr(self.root, name, value)
         stage = self.prog.notes.get("stage")
-        return RankProgram(self.rank, self.coord, fx.GraphModule(self.root, graph), None, None, [],
+        return RankProgram(self.rank, self.coord, graph_module(self.root, graph), None, None, [],
                            groups=self.groups, stage=stage.index if stage is not None else 0, zero=dict(self.zero))
 
     def run(self) -> fx.Graph:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxpar.ir import graph_module
+
 
 def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
                 ) -> tuple[fx.GraphModule, fx.GraphModule, list[str]]:
@@ -48,7 +50,7 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     fwd_g.output((*[fenv[o] for o in outs[:num_outputs]], *[fenv[s] for s in saved]))
     bwd_g.output(tuple(None if o is None else (benv[o] if o in benv else bwd_arg(o)) for o in outs[num_outputs:]))
     _placeholders_first(bwd_g)
-    return fx.GraphModule(root, fwd_g), fx.GraphModule(root, bwd_g), [s.name for s in saved]
+    return graph_module(root, fwd_g), graph_module(root, bwd_g), [s.name for s in saved]
 
 
 def from_zero3_shards(graph: fx.Graph) -> set[fx.Node]:
