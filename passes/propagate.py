@@ -15,11 +15,16 @@ chooses among them:
   it is not ``Shard(1)`` over tp (as if it moved them), so those values stay sharded on the sequence dim.
 * On a context-parallel axis (``cp``), only sequence dims may be sharded, a value with a sequence dim costs its
   bytes when it is whole, and attention all-gathers k and v (``fxpar.rules.context``).
+
+Every layer is placed, but a node copied from a repeated block (``fxpar.stitch.TEMPLATE``) whose inputs have the
+placements, and the parameter-likeness, that an earlier copy of the same node saw takes that copy's decision
+(``_Decisions``): the policy above looks at nothing else for such nodes, and an 80-layer model pays for one layer.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from typing import Any
 
@@ -36,9 +41,10 @@ from fxpar.rules import Candidate, candidates
 from fxpar.rules.batch_views import batch_view_candidate
 from fxpar.rules.context import ContextPolicy, gather_before_repeat
 from fxpar.rules.experts import EXPERT_OPS, experts_candidate
-from fxpar.rules.scatter_add import is_partial_scatter_add, partial_zeros, scatter_add_candidate
+from fxpar.rules.scatter_add import ZEROS, is_partial_scatter_add, partial_zeros, scatter_add_candidate
 from fxpar.rules.token_local import TokenLocal
 from fxpar.split import BATCH_AXES, BATCH_AXIS, CONTEXT_AXIS, Splitter, splitter
+from fxpar.stitch import TEMPLATE
 
 aten = torch.ops.aten
 
@@ -79,19 +85,60 @@ def propagate(prog: Program, ctx: Context) -> Program:
     local = TokenLocal(prog, list(ctx.modules.of_kind("experts")))
     context = ContextPolicy(split.seq) if split.seq else None
     unruled: set[str] = set()  # ops already warned about: warn once per op per compile
+    decisions = _Decisions(placements, arg_placements, param_like, local, context)
     for name, idx in prog.signature.tangents:
         placements[name] = outputs[idx]
     for node in prog.graph.nodes:
         if node.op == "get_attr":
             placements[node.name] = _replicated(prog)
-        elif node.op == "call_function":
+        elif node.op == "call_function" and not decisions.reuse(node, node.name in stream):
             _place_call(prog, node, placements, arg_placements, param_like, split, node.name in stream, local,
                         context, unruled)
+            decisions.remember(node, node.name in stream)
         elif node.op == "output":
             arg_placements[node.name] = tuple(outputs)
     if context is not None:
         gather_before_repeat(prog.graph, placements, arg_placements, prog.mesh.axis_index(CONTEXT_AXIS))
     return prog.replace("propagate", placements=placements, arg_placements=arg_placements)
+
+
+class _Decisions:
+    """The placements chosen for copies of repeated-block nodes, by what the choice depended on: the node copied,
+    whether it is a sequence-parallel stream value, and its tensor inputs' placements and parameter-likeness.
+    Nodes whose rules look further (experts, token-local regions, scatter-add zeros, context parallelism) are
+    always placed afresh."""
+
+    def __init__(self, placements: dict[str, Any], arg_placements: dict[str, tuple[Any, ...]],
+                 param_like: set[str], local: TokenLocal, context: ContextPolicy | None) -> None:
+        self.placements, self.arg_placements, self.param_like = placements, arg_placements, param_like
+        self.local, self.context = local, context
+        self.seen: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+    def _key(self, node: fx.Node, stream: bool) -> tuple[Any, ...] | None:
+        template = node.meta.get(TEMPLATE)
+        if template is None or self.context is not None or node.target in EXPERT_OPS or node.target in ZEROS \
+                or node.target is operator.getitem or node.name in self.local:
+            return None
+        inputs = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
+        return (template, node.target, id(node.meta.get("val")), stream,
+                tuple((self.placements[a.name], a.name in self.param_like) for a in inputs))
+
+    def reuse(self, node: fx.Node, stream: bool) -> bool:
+        """Place ``node`` as an earlier copy with the same key was placed; False if there is none."""
+        key = self._key(node, stream)
+        if key is None or key not in self.seen:
+            return False
+        self.placements[node.name], args = self.seen[key]
+        if args is not None:
+            self.arg_placements[node.name] = args
+        if node.target in VIEW_LIKE and key[-1] and key[-1][0][1]:
+            self.param_like.add(node.name)
+        return True
+
+    def remember(self, node: fx.Node, stream: bool) -> None:
+        key = self._key(node, stream)
+        if key is not None and node.name in self.placements:
+            self.seen[key] = (self.placements[node.name], self.arg_placements.get(node.name))
 
 
 def _replicated(prog: Program) -> tuple[Placement, ...]:
