@@ -22,10 +22,13 @@ COLLECTIVES = {
 _GROUPS: dict[str, str] = {}
 
 
+_GROUP_ARG = {c10d.all_reduce.default: 2, c10d.all_gather_into_tensor.default: 2,
+              c10d.reduce_scatter_tensor.default: 3, c10d.all_to_all_single.default: 3}
+
+
 def group_arg_index(target: object) -> int | None:
     """Position of the group-name argument of a lowered collective, if ``target`` is one."""
-    return {c10d.all_reduce.default: 2, c10d.all_gather_into_tensor.default: 2,
-            c10d.reduce_scatter_tensor.default: 3, c10d.all_to_all_single.default: 3}.get(target)
+    return _GROUP_ARG.get(target) if isinstance(target, torch._ops.OpOverload) else None
 
 
 def bind_groups(gm: fx.GraphModule, names: dict[str, str]) -> fx.GraphModule:

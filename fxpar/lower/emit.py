@@ -41,6 +41,7 @@ class Emitter:
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.groups: dict[str, tuple[int, ...]] = {}  # symbolic name -> ranks, of every group emitted
         self.site = Site()
+        self._values: dict[tuple[Any, ...], Any] = {}  # fake outputs by op and input metadata (``fake_value``)
 
     @contextmanager
     def at(self, **changes: Any) -> Iterator[None]:
@@ -67,15 +68,26 @@ class Emitter:
              module: str = "", name: str | None = None) -> fx.Node:
         kwargs = kwargs or {}
         node = self.graph.create_node("call_function", target, args, kwargs, name=name)
-        vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
-        with self.fake:
-            node.meta["val"] = target(*vals[0], **vals[1])
+        node.meta["val"] = self.fake_value(target, args, kwargs)
         site = self.site
         node.meta.update(placements=placements, module=module, phase=site.phase, source=site.source)
         node.meta["for_node"] = site.for_node
         if site.recompute:
             node.meta["recompute"] = True
         return node
+
+    def fake_value(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        """``target`` run on the fake values of ``args``: computed once per op and input metadata (a repeated
+        layer's ops see the same shapes: an 80-layer rank graph runs each distinct op once, not 80 times)."""
+        key = _value_key(target, args, kwargs)
+        if key is not None and key in self._values:
+            return self._values[key]
+        vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+        with self.fake:
+            val = target(*vals[0], **vals[1])
+        if key is not None:
+            self._values[key] = val
+        return val
 
     def group(self, axis: str) -> str:
         ranks = tuple(self.mesh.group_ranks(self.rank, axis))
@@ -88,3 +100,32 @@ class Emitter:
         ranks = tuple(self.mesh.group_ranks(self.rank, axis))
         node.meta["ledger_row"] = LedgerRow(self.site.phase, op, axis, tuple(val.shape), val.dtype,
                                             val.numel() * val.element_size(), ranks)
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _value_key(target: Any, args: tuple, kwargs: dict) -> tuple[Any, ...] | None:
+    """What an op's fake output depends on: the op, its tensors' metadata and its other arguments (None when an
+    argument is not plain data: then the op is run every time)."""
+    try:
+        return (target, _arg_key(args), _arg_key(tuple(sorted(kwargs.items()))))
+    except _Unkeyable:
+        return None
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _arg_key(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        v = a.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            raise _Unkeyable
+        return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device, v.requires_grad)
+    if isinstance(a, (tuple, list)):
+        return (type(a).__name__, tuple(_arg_key(x) for x in a))
+    if isinstance(a, _PLAIN):
+        return (type(a).__name__, a)
+    raise _Unkeyable
