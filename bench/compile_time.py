@@ -1,27 +1,26 @@
-"""Table 2: compile time of ``fxpar.parallelize`` at Llama-3-70B widths against bare export and joint capture.
+"""Table 2: compile time of ``fxpar.parallelize`` on HF Llama at Llama-3-70B and 405B widths against bare export.
 
-    .venv/bin/python bench/compile_time.py                  # 2, 8, 32, 80 layers (several minutes)
-    .venv/bin/python bench/compile_time.py --layers 2,8     # quick run
+    .venv/bin/python bench/compile_time.py                   # 70B at 8 and 80 layers, then the 405B case
+    .venv/bin/python bench/compile_time.py --layers 2,8 --no-405b   # quick run
 
-The model is the bundled ``Llama`` with Llama-3-70B widths (hidden 8192, intermediate 28672, 64 heads,
-8 kv heads, vocab 128256, max_seq 4096), built on the meta device; the input is (8, 4096) tokens and the
-mesh a fake ``dp=8 x tp=8`` (64 ranks, ``llama_plan()``). Every measurement runs in a fresh subprocess
-(``--worker``), so no trace, fake-tensor or rule cache carries over from one to the next:
+Every measurement runs in a fresh subprocess (``--worker``), so no trace, fake-tensor or rule cache
+carries over from one to the next; each runs ``--repeats`` times (default 2) and the fastest is kept.
 
-* **bare**: ``torch.export.export(model, args, strict=False)``, then
-  ``aot_export_joint_with_descriptors(stack, ep.module(), args)``, both under ``FakeTensorMode`` with
-  fake parameters swapped in (as ``fxpar/capture.py`` does for a meta model); each timed.
-* **parallelize**: ``fxpar.parallelize(...)`` end to end, with ``fxpar.api.capture`` and each pass of the
-  pipeline wrapped by a timer (capture is not a pass, so ``pm.timings`` lacks it), then
-  ``pm.program(rank=0)`` (lower rank 0 and print it).
-* **parallelize, rule cache off** (``--uncached-layers``): the same, with propagate calling the uncached
-  rule lookup (``candidates.__wrapped__``), to show what the memoized lookup saves.
+* **70B**: HF ``LlamaForCausalLM`` at Llama-3-70B widths (vocab 128256, hidden 8192, intermediate 28672,
+  64 heads, 8 kv heads, max_position 4096, rope_theta 500000, sdpa, ``use_cache=False``) built on meta,
+  input (8, 4096) tokens, fake mesh ``dp=8 x tp=8``, ``plan=hf_llama_plan()`` (Megatron tp).
+  *export*: bare ``torch.export.export(model, args, strict=False)`` under ``FakeTensorMode`` with fake
+  parameters swapped in for the meta ones (as ``fxpar/capture.py`` does); *fxpar*: ``fxpar.parallelize``
+  (capture, passes, ``verify``) plus ``pm.program(rank=37)`` (rank 37's program, bound from its role, printed).
+* **405B**: the same model at Llama-3-405B widths (hidden 16384, intermediate 53248, 128 heads, 8 kv
+  heads) with 126 layers, fake ``pp=16 x dp=128 x tp=8`` (16,384 ranks), input (2048, 4096) tokens,
+  ``Plan(tp=hf_llama_plan(), sequence_parallel=True, zero=1, stages=16, microbatches=16)``;
+  *fxpar* times ``parallelize`` (``verify`` included), then ``pm.program(rank)`` for three ranks never asked
+  before, and reads one rank's ledger and each stage's ``# holds`` line.
 
-Every block records wall and CPU seconds; the table shows CPU seconds, which another process sharing the
-cores inflates far less than wall time (this single-threaded tracing work has CPU = wall when idle). Each
-measurement runs ``--repeats`` times (default 2), each in a fresh process; the fastest is reported.
-
-Results go to ``bench/results/compile_time.json`` and the ``compile`` section of ``bench/README.md``.
+Times are CPU seconds of the worker process (single-threaded tracing work: CPU = wall on an idle machine;
+both are in the JSON). Results go to ``bench/results/compile_time.json`` and the ``compile`` section of
+``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -32,209 +31,198 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections import Counter
 from typing import Any
 
 import torch
 from common import environment, markdown_table, publish
 
-MESH = {"dp": 8, "tp": 8}
-BATCH, SEQ = 8, 4096
-WIDTHS = {"vocab_size": 128256, "hidden": 8192, "intermediate": 28672, "n_heads": 64, "n_kv_heads": 8,
-          "max_seq": 4096, "rope_theta": 500000.0}
 COMMAND = ".venv/bin/python bench/compile_time.py"
-TIMEOUT_S = 1200
+TIMEOUT_S = 1800
+W70 = {"vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+       "num_key_value_heads": 8}
+W405 = {"vocab_size": 128256, "hidden_size": 16384, "intermediate_size": 53248, "num_attention_heads": 128,
+        "num_key_value_heads": 8}
+MESH70, MESH405 = {"dp": 8, "tp": 8}, {"pp": 16, "dp": 128, "tp": 8}
+BATCH70, BATCH405, SEQ = 8, 2048, 4096
+NEW_RANKS = (9003, 12345, 16383)
 
 
-def build(layers: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    """The meta-device Llama at Llama-3-70B widths with ``layers`` blocks, and its (global) example input."""
-    from fxpar.models.llama import Llama, LlamaConfig
+def build(widths: dict[str, int], layers: int, batch: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """HF ``LlamaForCausalLM`` with ``widths`` and ``layers`` on meta, and a (batch, 4096) token input."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
+    cfg = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=SEQ, rope_theta=500000.0,
+                      attn_implementation="sdpa", use_cache=False, **widths)
     with torch.device("meta"):
-        model = Llama(LlamaConfig(n_layers=layers, **WIDTHS))
-    return model, (torch.randint(0, WIDTHS["vocab_size"], (BATCH, SEQ)),)
+        model = LlamaForCausalLM(cfg)
+    return model, (torch.randint(0, widths["vocab_size"], (batch, SEQ)),)
 
 
-@contextmanager
-def timed(out: dict[str, dict[str, float]], name: str) -> Iterator[None]:
-    """Record the block's wall and CPU (this process, all threads) seconds as ``out[name]``."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    yield
-    out[name] = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
+def clock() -> tuple[float, float]:
+    return time.process_time(), time.perf_counter()
 
 
-def bare(layers: int) -> dict[str, Any]:
-    """Time bare ``torch.export`` and bare joint capture of the meta model, on fake tensors."""
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+def since(t: tuple[float, float]) -> dict[str, float]:
+    return {"cpu": time.process_time() - t[0], "wall": time.perf_counter() - t[1]}
+
+
+def bare_export(widths: dict[str, int], layers: int, batch: int) -> dict[str, Any]:
+    """Bare non-strict ``torch.export`` of the meta model on fake parameters and inputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
-    model, args = build(layers)
+    model, args = build(widths, layers, batch)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:  # fake cpu tensors in place of meta ones: the joint of a meta model fails or truncates
+    with mode:  # fake cpu tensors in place of meta ones, as fxpar's capture does
         state = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
                  for n, t in (*model.named_parameters(), *model.named_buffers())}
         for name, p in model.named_parameters():
             state[name] = torch.nn.Parameter(state[name], requires_grad=p.requires_grad)
         fake_args = tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype) for a in args)
-    t: dict[str, dict[str, float]] = {}
     with _reparametrize_module(model, state, tie_weights=True), mode:
-        with timed(t, "export"):
-            ep = torch.export.export(model, fake_args, strict=False)
-        with timed(t, "joint"), ExitStack() as stack:
-            joint = aot_export_joint_with_descriptors(stack, ep.module(), fake_args)
-    return {"times": t, "export_nodes": len(ep.graph.nodes), "joint_nodes": len(joint.graph_module.graph.nodes)}
+        t = clock()
+        ep = torch.export.export(model, fake_args, strict=False)
+        took = since(t)
+    return {"export": took, "nodes": len(ep.graph.nodes)}
 
 
-def parallelize(layers: int, cached: bool = True) -> dict[str, Any]:
-    """Time ``fxpar.parallelize`` (capture and every pass) and ``pm.program(rank=0)``.
-
-    Capture (not a pass) is timed by wrapping ``fxpar.api.capture``, each pass by wrapping the pipeline's
-    pass list (for CPU seconds; fxpar's own wall-clock ``pm.timings`` is kept too).
-    """
-    import fxpar.passes.propagate as propagate
-
+def fxpar_70b(layers: int) -> dict[str, Any]:
+    """``parallelize`` + ``program(rank=37)`` at 70B widths on dp=8 x tp=8."""
     import fxpar
-    import fxpar.api
-    import fxpar.pipeline
-    from fxpar.models.llama import llama_plan
+    from fxpar.models.llama import hf_llama_plan
 
-    if not cached:
-        propagate.candidates = propagate.candidates.__wrapped__
-    t: dict[str, dict[str, float]] = {}
-    seen: dict[str, Any] = {}
-    capture, passes = fxpar.api.capture, fxpar.pipeline.passes
-
-    def timed_capture(*args: Any) -> Any:
-        with timed(t, "capture"):
-            prog = capture(*args)
-        seen["nodes"] = len(prog.graph.nodes)
-        return prog
-
-    def timed_pass(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(prog: Any, ctx: Any) -> Any:
-            with timed(t, name):
-                return fn(prog, ctx)
-        return run
-
-    fxpar.api.capture = timed_capture
-    fxpar.pipeline.passes = lambda: [(name, timed_pass(name, fn)) for name, fn in passes()]
-    model, args = build(layers)
-    with timed(t, "parallelize"):
-        pm = fxpar.parallelize(model, fxpar.Mesh(MESH, fake=True), args, plan=llama_plan())
-    with timed(t, "program_rank0"):
-        text = pm.program(rank=0)
-    return {**seen, "times": t, "pass_names": [name for name, _ in passes()], "fxpar_timings_wall_s": pm.timings,
-            "program_lines": text.count("\n"), "ledger_rows": len(pm.ledger(0)), "cached": cached}
+    model, args = build(W70, layers, BATCH70)
+    t = clock()
+    pm = fxpar.parallelize(model, fxpar.Mesh(MESH70, fake=True), args, plan=hf_llama_plan())
+    parallelize = since(t)
+    t = clock()
+    text = pm.program(rank=37)
+    program = since(t)
+    total = {k: parallelize[k] + program[k] for k in parallelize}
+    return {"parallelize": parallelize, "program_37": program, "total": total, "timings_wall_s": pm.timings,
+            "program_lines": text.count("\n"), "captures": str(pm._compiled.stages[0].notes.get("captures")),
+            "proof": str(pm.proof)}
 
 
-WORKERS = {"bare": bare, "parallelize": parallelize,
-           "parallelize_uncached": lambda layers: parallelize(layers, cached=False)}
+def fxpar_405b(layers: int) -> dict[str, Any]:
+    """``parallelize`` of the 405B layout on 16,384 fake ranks; new ranks' programs; a ledger; the stage split."""
+    import fxpar
+    from fxpar.models.llama import hf_llama_plan
+    from fxpar.testing.error_models import next_token_loss
 
-
-def _children_cpu_s() -> float:
-    """CPU seconds (user + sys) used so far by finished child processes."""
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
-
-
-def run_worker(kind: str, layers: int) -> dict[str, Any]:
-    """Run one measurement in a fresh interpreter; its result, wall time, CPU share and peak memory.
-
-    ``cpu_share`` (the worker's CPU seconds over its wall seconds) is about 1 for this single-threaded
-    tracing work on an idle machine; well below 1 means other processes took the cores and times are inflated.
-    """
-    cpu0, t0 = _children_cpu_s(), time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--layers", str(layers)],
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"worker {kind} at {layers} layers failed:\n{proc.stderr[-3000:]}")
-    line = next(ln for ln in proc.stdout.splitlines()[::-1] if ln.startswith("RESULT "))
-    return {**json.loads(line[len("RESULT "):]), "process_wall_s": wall,
-            "cpu_share": (_children_cpu_s() - cpu0) / wall}
-
-
-def fastest(kind: str, layers: int, repeats: int) -> dict[str, Any]:
-    """The fastest of ``repeats`` fresh-process runs of one measurement (the least disturbed by other load)."""
-    runs = [run_worker(kind, layers) for _ in range(repeats)]
-    best = min(runs, key=lambda r: sum(v["cpu"] for k, v in r["times"].items() if k != "program_rank0"))
-    return {**best, "repeats": repeats, "all_process_wall_s": [r["process_wall_s"] for r in runs]}
+    model, args = build(W405, layers, BATCH405)
+    plan = fxpar.Plan(tp=hf_llama_plan(), sequence_parallel=True, zero=1, stages=16, microbatches=16)
+    t = clock()
+    pm = fxpar.parallelize(model, fxpar.Mesh(MESH405, fake=True), args, plan, loss_fn=next_token_loss)
+    parallelize = since(t)
+    programs = {}
+    for rank in NEW_RANKS:
+        t = clock()
+        pm.program(rank=rank)
+        programs[rank] = since(t)
+    stage_ranks = [s * 128 * 8 for s in range(16)]
+    holds = [next(ln for ln in pm.program(rank=r).splitlines() if ln.startswith("# holds"))[9:].strip()
+             for r in stage_ranks]
+    ledger = pm.ledger(NEW_RANKS[0])
+    counts = Counter(f"{r.op}@{r.axis}" + (" per microbatch" if r.mb is not None else " per step") for r in ledger)
+    return {"parallelize": parallelize, "programs": programs, "holds": holds, "ledger_rank": NEW_RANKS[0],
+            "ledger_counts": dict(counts), "proof": str(pm.proof), "timings_wall_s": pm.timings}
 
 
 def worker_main(kind: str, layers: int) -> None:
     """Entry point of a worker subprocess: print one ``RESULT {json}`` line."""
-    out = WORKERS[kind](layers)
+    out = {"export70": lambda: bare_export(W70, layers, BATCH70), "fxpar70": lambda: fxpar_70b(layers),
+           "export405": lambda: bare_export(W405, layers, BATCH405), "fxpar405": lambda: fxpar_405b(layers)}[kind]()
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out))
 
 
-def tables(results: dict[int, dict[str, Any]]) -> list[str]:
-    """Markdown (CPU seconds): where parallelize's time goes next to bare capture, per layer count; the rule cache."""
-    rows, cache_rows = [], []
-    names = next(iter(results.values()))["parallelize"]["pass_names"]
-    for layers, r in sorted(results.items()):
-        b, p = r["bare"]["times"], r["parallelize"]["times"]
-        bare_s = b["export"]["cpu"] + b["joint"]["cpu"]
-        rows.append([layers, r["bare"]["joint_nodes"], f"{b['export']['cpu']:.1f}", f"{b['joint']['cpu']:.1f}",
-                     f"{bare_s:.1f}", f"{p['capture']['cpu']:.1f}", *(f"{p[k]['cpu']:.2f}" for k in names),
-                     f"{p['parallelize']['cpu']:.1f}", f"{p['parallelize']['cpu'] / bare_s:.2f}",
-                     f"{p['parallelize']['wall']:.1f}", f"{p['program_rank0']['cpu']:.1f}",
-                     f"{r['parallelize']['peak_rss_mb']:,.0f}"])
-        if "parallelize_uncached" in r:
-            u = r["parallelize_uncached"]["times"]
-            cache_rows.append([layers, f"{u['propagate']['cpu']:.2f}", f"{p['propagate']['cpu']:.2f}",
-                               f"{u['propagate']['cpu'] / p['propagate']['cpu']:.1f}x",
-                               f"{u['parallelize']['cpu']:.1f}", f"{p['parallelize']['cpu']:.1f}"])
-    share = min(r["cpu_share"] for per in results.values() for r in per.values())
-    header = ["layers", "joint nodes", "export", "joint", "export + joint", "fxpar capture", *names, "parallelize",
-              "parallelize / (export + joint)", "parallelize wall s", "program(rank=0)", "peak RSS MB"]
-    lines = ["CPU seconds (wall seconds equal them on an idle machine; both are in the JSON):", "",
-             *markdown_table(header, rows)]
-    lines += ["", f"Lowest CPU share of a measurement process (CPU s / wall s): {share:.2f}"
-              + ("" if share > 0.85 else " (the machine was busy: wall times are inflated, CPU times much less)") + "."]
-    if cache_rows:
-        lines += ["", "Rule lookup memoized vs not (CPU seconds, same run, fresh processes):", "",
-                  *markdown_table(["layers", "propagate, uncached", "propagate, cached", "speed-up",
-                                   "parallelize, uncached", "parallelize, cached"], cache_rows)]
+def run_worker(kind: str, layers: int) -> dict[str, Any]:
+    """One measurement in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--layers", str(layers)],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    if proc.returncode:
+        raise RuntimeError(f"worker {kind} at {layers} layers failed:\n{proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines()[::-1] if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def seconds(result: dict[str, Any]) -> float:
+    """The CPU seconds a measurement is compared by."""
+    return (result.get("total") or result.get("parallelize") or result["export"])["cpu"]
+
+
+def fastest(kind: str, layers: int, repeats: int) -> dict[str, Any]:
+    runs = [run_worker(kind, layers) for _ in range(repeats)]
+    print(f"{kind} {layers} layers: " + ", ".join(f"{seconds(r):.1f}" for r in runs) + " CPU s", file=sys.stderr)
+    return {**min(runs, key=seconds), "all_cpu_s": [seconds(r) for r in runs]}
+
+
+def table_70b(r70: dict[int, dict[str, Any]]) -> list[str]:
+    rows = []
+    for layers, r in sorted(r70.items()):
+        e, f = r["export70"], r["fxpar70"]
+        t = f["timings_wall_s"]
+        rows.append([layers, f"{e['export']['cpu']:.2f}", f"{f['parallelize']['cpu']:.2f}",
+                     f"{f['program_37']['cpu']:.2f}", f"{f['total']['cpu']:.2f}",
+                     f"{f['total']['cpu'] / e['export']['cpu']:.2f}", f"{t.get('capture', 0):.2f}",
+                     f"{t.get('propagate', 0):.2f}", f"{f['peak_rss_mb']:,.0f}"])
+    lines = ["**70B widths, fake dp=8 x tp=8** (CPU s; capture and propagate: fxpar's own wall-clock timings):", "",
+             *markdown_table(["layers", "bare export", "parallelize", "program(rank=37)", "fxpar total",
+                              "fxpar / export", "capture", "propagate", "peak RSS MB"], rows)]
+    if len(r70) > 1:
+        lo, hi = min(r70), max(r70)
+        growth = r70[hi]["fxpar70"]["total"]["cpu"] / r70[lo]["fxpar70"]["total"]["cpu"]
+        export_growth = r70[hi]["export70"]["export"]["cpu"] / r70[lo]["export70"]["export"]["cpu"]
+        lines += ["", f"fxpar at {hi} layers / fxpar at {lo} layers: **{growth:.2f}x** "
+                      f"(bare export: {export_growth:.2f}x)."]
+    lines += ["", f"Captures at {max(r70)} layers: `{r70[max(r70)]['fxpar70']['captures']}`; "
+                  f"proof: `{r70[max(r70)]['fxpar70']['proof']}`."]
+    return lines
+
+
+def table_405b(e: dict[str, Any], f: dict[str, Any]) -> list[str]:
+    new = max(p["cpu"] for p in f["programs"].values())
+    rows = [[f"{e['export']['cpu']:.1f}", f"{f['parallelize']['cpu']:.1f}",
+             f"{f['parallelize']['cpu'] / e['export']['cpu']:.2f}", f"{f['peak_rss_mb']:,.0f}",
+             f"{e['peak_rss_mb']:,.0f}", f"{new:.2f}"]]
+    lines = ["**405B widths, 126 layers, fake pp=16 x dp=128 x tp=8 (16,384 ranks)**, "
+             "`Plan(tp=hf_llama_plan(), sequence_parallel=True, zero=1, stages=16, microbatches=16)` (CPU s):", "",
+             *markdown_table(["bare export", "parallelize (verify included)", "parallelize / export",
+                              "peak RSS MB (fxpar)", "peak RSS MB (export)",
+                              f"slowest pm.program(rank) of ranks {', '.join(map(str, NEW_RANKS))} (never asked)"],
+                             rows),
+             "", f"Proof: `{f['proof']}`.", "",
+             f"Ledger of rank {f['ledger_rank']} (stage 8): "
+             + ", ".join(f"{k} x{v}" for k, v in sorted(f["ledger_counts"].items())) + ".", "",
+             "Layers per stage (`# holds` of each stage's program): "
+             + "; ".join(f"{i}: {h}" for i, h in enumerate(f["holds"])) + "."]
     return lines
 
 
 def main() -> None:
-    """Run every (layers, worker) measurement in its own subprocess; save, print, update the README."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="2,8,32,80", help="comma-separated layer counts")
-    parser.add_argument("--uncached-layers", default="2,8,32",
-                        help="layer counts at which to also time parallelize with the rule cache off ('' for none)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="fresh-process runs per measurement; the fastest is reported (default 2)")
-    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--layers", default="8,80", help="comma-separated layer counts at 70B widths")
+    parser.add_argument("--repeats", type=int, default=2, help="fresh-process runs per measurement (fastest kept)")
+    parser.add_argument("--no-405b", action="store_true", help="skip the 405B case")
+    parser.add_argument("--worker", choices=["export70", "fxpar70", "export405", "fxpar405"], help=argparse.SUPPRESS)
     parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
     args = parser.parse_args()
     if args.worker:
         worker_main(args.worker, int(args.layers))
         return
-    layer_counts = [int(x) for x in args.layers.split(",")]
-    uncached = {int(x) for x in args.uncached_layers.split(",") if x}
     t0 = time.perf_counter()
-    results: dict[int, dict[str, Any]] = {}
-    for layers in layer_counts:
-        kinds = ["bare", "parallelize"] + (["parallelize_uncached"] if layers in uncached else [])
-        for kind in kinds:
-            results.setdefault(layers, {})[kind] = res = fastest(kind, layers, args.repeats)
-            walls = ", ".join(f"{w:.1f}" for w in res["all_process_wall_s"])
-            print(f"{layers} layers, {kind}: {walls} s per process", file=sys.stderr, flush=True)
-    defaults = {"layers": "2,8,32,80", "uncached_layers": "2,8,32", "repeats": 2}
-    command = COMMAND + "".join(f" --{k.replace('_', '-')} {getattr(args, k)!s}" for k, v in defaults.items()
-                                if getattr(args, k) != v)
-    lines = [f"`{command}` (mesh dp=8 x tp=8 fake, batch {BATCH} x seq {SEQ}, Llama-3-70B widths on meta; "
-             f"each cell: the fastest of {args.repeats} fresh processes)", "",
-             *tables(results)]
-    data = {"env": environment(), "command": command, "mesh": MESH, "batch": BATCH, "seq": SEQ, "widths": WIDTHS,
-            "results": results, "wall_s": time.perf_counter() - t0}
-    path = publish("compile_time", "compile", lines, data, not args.no_readme)
-    print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
+    r70 = {n: {kind: fastest(kind, n, args.repeats) for kind in ("export70", "fxpar70")}
+           for n in map(int, args.layers.split(","))}
+    lines = [f"`{COMMAND}` (each cell: the fastest of {args.repeats} fresh processes)", "", *table_70b(r70)]
+    data: dict[str, Any] = {"env": environment(), "r70": r70}
+    if not args.no_405b:
+        e405, f405 = fastest("export405", 126, args.repeats), fastest("fxpar405", 126, args.repeats)
+        lines += ["", *table_405b(e405, f405)]
+        data["r405"] = {"export": e405, "fxpar": f405}
+    data["wall_s"] = time.perf_counter() - t0
+    publish("compile_time", "compile", lines, data, not args.no_readme)
 
 
 if __name__ == "__main__":
