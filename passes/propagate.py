@@ -119,9 +119,8 @@ class _Decisions:
         if template is None or self.context is not None or node.target in EXPERT_OPS or node.target in ZEROS \
                 or node.target is operator.getitem or node.name in self.local:
             return None
-        inputs = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
         return (template, node.target, id(node.meta.get("val")), stream,
-                tuple((self.placements[a.name], a.name in self.param_like) for a in inputs))
+                tuple((self.placements.get(a.name), a.name in self.param_like) for a in node.all_input_nodes))
 
     def reuse(self, node: fx.Node, stream: bool) -> bool:
         """Place ``node`` as an earlier copy with the same key was placed; False if there is none."""
@@ -131,8 +130,10 @@ class _Decisions:
         self.placements[node.name], args = self.seen[key]
         if args is not None:
             self.arg_placements[node.name] = args
-        if node.target in VIEW_LIKE and key[-1] and key[-1][0][1]:
-            self.param_like.add(node.name)
+        if node.target in VIEW_LIKE:
+            first = next((a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None), None)
+            if first is not None and first.name in self.param_like:
+                self.param_like.add(node.name)
         return True
 
     def remember(self, node: fx.Node, stream: bool) -> None:

@@ -92,10 +92,16 @@ def check_uneven_view(node: fx.Node, placements: Any, at: LocalShapes) -> None:
 
 
 def _viewable(x: torch.Tensor, shape: list[int], fake: FakeTensorMode) -> bool:
-    """Whether ``x.view(shape)`` is valid for ``x``'s strides."""
-    try:
-        with fake:
-            x.view(shape)
-        return True
-    except (RuntimeError, ValueError):
-        return False
+    """Whether ``x.view(shape)`` is valid for ``x``'s strides (it depends on sizes and strides alone)."""
+    key = (tuple(x.shape), x.stride(), tuple(shape))
+    if key not in _VIEWABLE:
+        try:
+            with fake:
+                x.view(shape)
+            _VIEWABLE[key] = True
+        except (RuntimeError, ValueError):
+            _VIEWABLE[key] = False
+    return _VIEWABLE[key]
+
+
+_VIEWABLE: dict[tuple[Any, ...], bool] = {}
