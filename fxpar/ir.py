@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -159,7 +158,22 @@ def consumed_tensors(node: fx.Node) -> list[fx.Node | None]:
     """The tensor arguments of ``node`` in the order ``arg_placements`` uses."""
     if node.op == "output":
         return [a if tensor_val(a) is not None else None for a in node.args[0]]
-    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
+    return [a for a in node_leaves((node.args, node.kwargs)) if tensor_val(a) is not None]
+
+
+def node_leaves(args: Any, out: list[fx.Node] | None = None) -> list[fx.Node]:
+    """The fx nodes in ``args`` (nested tuples, lists and dicts), in ``pytree.tree_leaves`` order, repeats kept
+    (the same order as pytree's, without its per-leaf type dispatch)."""
+    out = [] if out is None else out
+    if isinstance(args, fx.Node):
+        out.append(args)
+    elif isinstance(args, (tuple, list)):
+        for a in args:
+            node_leaves(a, out)
+    elif isinstance(args, dict):
+        for a in args.values():
+            node_leaves(a, out)
+    return out
 
 
 def graph_module(root: torch.nn.Module | dict[str, Any], graph: fx.Graph) -> fx.GraphModule:

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 
 from fxpar.ir import Placements, Program, Step, consumed_tensors, graph_module, py_name
@@ -230,7 +229,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, ContextMask):
         # "selective" saves what a collective returns (as torchtitan does); "full" runs the collectives again
         with self.at(recompute=recompute and self.prog.notes.get("recompute_policy") != "selective"):
             local_args = self.local_inputs(node, plan, module)
-        args, kwargs = pytree.tree_map_only(fx.Node, lambda a: local_args[a.name], (node.args, node.kwargs))
+        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: local_args[a.name])
         with self.at(recompute=recompute):
             if node.target in EXPERT_OPS and self.experts is not None:
                 self.env[node.name] = self.experts.lower(node, args, module)
@@ -259,8 +258,8 @@ class Lowerer(CollectiveEmitter, StepCollectives, ContextMask):
             else:
                 producer, dst, steps = planned
                 out[arg.name] = self.redistribute(producer, dst, steps, module)
-        for a in pytree.tree_leaves((node.args, node.kwargs)):
-            if isinstance(a, fx.Node) and a.name not in out:
+        for a in node.all_input_nodes:
+            if a.name not in out:
                 out[a.name] = self.env[a.name]
         return out
 
