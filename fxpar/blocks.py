@@ -227,14 +227,17 @@ def opaque_blocks(table: BlockTable, fake_mode: Any) -> Iterator[None]:
 
 def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forward: Callable[..., Any],
                     fake_mode: Any) -> Callable[..., Any]:
+    structure = structure_key(module)  # the module does not change while it is exported
+
     def call(*args: Any, **kwargs: Any) -> Any:
-        flat, in_spec = pytree.tree_flatten((args, kwargs))
-        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        constants = tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in flat)
-        params = dict(module.named_parameters())
-        buffers = dict(module.named_buffers())
-        templates = _tensor_keys(tensors)
-        key = (structure_key(module), str(in_spec), tuple(map(_value_key, constants)), templates, _global_state())
+        with torch._C.DisableTorchFunction():  # reading metadata: not for export's torch-function modes to record
+            flat, in_spec = pytree.tree_flatten((args, kwargs))
+            tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+            constants = tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in flat)
+            params = dict(module.named_parameters())
+            buffers = dict(module.named_buffers())
+            templates = _tensor_keys(tensors)
+            key = (structure, str(in_spec), tuple(map(_value_key, constants)), templates, _global_state())
         variant, run = _known_run(table, key, module)
         if run is None:
             out_leaves, out_spec, reads = _fake_run(module, forward, fake_mode, args, kwargs, tensors)
