@@ -68,12 +68,11 @@ class Mesh:
     def group_ranks(self, rank: int, axis: str) -> list[int]:
         """The ranks that share every coordinate of ``rank`` except along ``axis``."""
         ax = self.axis_index(axis)
-        base = list(self.coord(rank))
-        out = []
-        for i in range(self.shape[ax]):
-            base[ax] = i
-            out.append(self.rank_of(tuple(base)))
-        return out
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is outside a mesh of {self.size} ranks")
+        stride = math.prod(self.shape[ax + 1:])  # row-major: the rank step between neighbours on ``axis``
+        first = rank - (rank // stride % self.shape[ax]) * stride
+        return list(range(first, first + self.shape[ax] * stride, stride))
 
     def describe(self) -> str:
         return "(" + ", ".join(f"{n}={s}" for n, s in self.axes.items()) + ")"
