@@ -16,4 +16,6 @@ class Context:
     modules: ModuleTable  # what the passes know of the user's modules (recorded at capture; never the live model)
     plan: Plan
     timings: dict[str, float] = field(default_factory=dict)
+    # propagate's decisions for copies of repeated-block nodes, shared by the pipeline stages of one compile
+    block_decisions: dict = field(default_factory=dict, repr=False)
     debug: int = int(os.environ.get("FXPAR_DEBUG", "0"))

@@ -85,7 +85,8 @@ def propagate(prog: Program, ctx: Context) -> Program:
     local = TokenLocal(prog, list(ctx.modules.of_kind("experts")))
     context = ContextPolicy(split.seq) if split.seq else None
     unruled: set[str] = set()  # ops already warned about: warn once per op per compile
-    decisions = _Decisions(placements, arg_placements, param_like, local, context)
+    decisions = _Decisions(placements, arg_placements, param_like, local, context,
+                           ctx.block_decisions.setdefault((split.batch, split.seq), {}))
     for name, idx in prog.signature.tangents:
         placements[name] = outputs[idx]
     for node in prog.graph.nodes:
@@ -109,10 +110,11 @@ class _Decisions:
     always placed afresh."""
 
     def __init__(self, placements: dict[str, Any], arg_placements: dict[str, tuple[Any, ...]],
-                 param_like: set[str], local: TokenLocal, context: ContextPolicy | None) -> None:
+                 param_like: set[str], local: TokenLocal, context: ContextPolicy | None,
+                 seen: dict[tuple[Any, ...], tuple[Any, Any]]) -> None:
         self.placements, self.arg_placements, self.param_like = placements, arg_placements, param_like
         self.local, self.context = local, context
-        self.seen: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self.seen = seen  # shared by the stages of one compile (``Context.block_decisions``)
 
     def _key(self, node: fx.Node, stream: bool) -> tuple[Any, ...] | None:
         template = node.meta.get(TEMPLATE)

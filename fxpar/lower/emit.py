@@ -38,10 +38,10 @@ class Emitter:
     def __init__(self, mesh: Mesh, rank: int) -> None:
         self.mesh, self.rank = mesh, rank
         self.graph = fx.Graph()
-        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.fake = _FAKE.mode
         self.groups: dict[str, tuple[int, ...]] = {}  # symbolic name -> ranks, of every group emitted
         self.site = Site()
-        self._values: dict[tuple[Any, ...], Any] = {}  # fake outputs by op and input metadata (``fake_value``)
+        self._values = _FAKE.values()  # fake outputs by op and input metadata (``fake_value``)
 
     @contextmanager
     def at(self, **changes: Any) -> Iterator[None]:
@@ -102,6 +102,23 @@ class Emitter:
                                             val.numel() * val.element_size(), ranks)
 
 
+class _SharedFake:
+    """The fake-tensor mode every lowering in this process runs its ops in, and the outputs computed so far by op
+    and input metadata: the stages and roles of one compile (and later compiles) see the same layers' shapes."""
+
+    LIMIT = 200_000  # entries kept before the memo starts over (each a small meta-only fake tensor)
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._values: dict[tuple[Any, ...], Any] = {}
+
+    def values(self) -> dict[tuple[Any, ...], Any]:
+        if len(self._values) > self.LIMIT:
+            self._values = {}
+        return self._values
+
+
+_FAKE = _SharedFake()
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
