@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from fxpar.backends.comm import group_arg_index
 from fxpar.blocks import sharing_enabled
 from fxpar.ir import graph_module
 from fxpar.lower import RankProgram, group_name
@@ -113,9 +114,9 @@ def _renamed(gm: fx.GraphModule, rename: dict[str, str], row: Callable[[LedgerRo
     if out is not None:
         g.output(out)
     for n in g.nodes:
-        n.args = fx.node.map_aggregate(n.args, lambda a: rename.get(a, a) if isinstance(a, str) else a)
-        if n.kwargs:
-            n.kwargs = fx.node.map_aggregate(n.kwargs, lambda a: rename.get(a, a) if isinstance(a, str) else a)
+        i = group_arg_index(n.target)
+        if i is not None:  # group names are the group argument of a collective, nowhere else
+            n.update_arg(i, rename.get(n.args[i], n.args[i]))
         if "ledger_row" in n.meta:
             n.meta["ledger_row"] = row(n.meta["ledger_row"])
         if COORD_SLICE in n.meta and n.op == "call_function":  # this rank's piece of an even split
