@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,7 +122,9 @@ class _Decisions:
         if template is None or self.context is not None or node.target in EXPERT_OPS or node.target in ZEROS \
                 or node.target is operator.getitem or node.name in self.local:
             return None
-        return (template, node.target, id(node.meta.get("val")), stream,
+        readers = tuple(tuple(self.placements.get(a.name) for a in u.all_input_nodes if a is not node)
+                        for u in node.users if u.target in PARTIAL_SUMS)  # what ``_final_reduction`` reads
+        return (template, node.target, id(node.meta.get("val")), stream, readers,
                 tuple((self.placements.get(a.name), a.name in self.param_like) for a in node.all_input_nodes))
 
     def reuse(self, node: fx.Node, stream: bool) -> bool:
@@ -206,7 +209,10 @@ def _place_call(prog: Program, node: fx.Node, placements: dict[str, Any],
             nested = _batch_axes_before(prog.mesh.names, ax)  # the batch dim is sharded over dp, then ep
             taken = _taken_dims([p for i, p in enumerate(per_axis_in) if i not in nested],
                                 [p for i, p in enumerate(per_axis_out) if i not in nested])
-            cand = zeros or _choose(node, tensor_args, cur, n, param_like, taken, sharded, extra, on_cp, unruled)
+            reduced_here = prog.mesh.names[ax] not in (*BATCH_AXES, CONTEXT_AXIS)
+            placed_on = (lambda a, ax=ax: _placed_on(placements, a, ax)) if reduced_here else None
+            cand = zeros or _choose(node, tensor_args, cur, n, param_like, taken, sharded, extra, on_cp, unruled,
+                                    placed_on)
         per_axis_in.append(cand.inputs)
         per_axis_out.append(cand.output)
     arg_placements[node.name] = tuple(tuple(ins) for ins in zip(*per_axis_in, strict=True)) if tensor_args else ()
@@ -259,8 +265,16 @@ def _taken_dims(per_axis_in: list[tuple[Placement, ...]], per_axis_out: list[Any
 
 def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: int,
             param_like: set[str], taken: Taken, sharded: bool = False, extra: Candidate | None = None,
-            context: ContextPolicy | None = None, unruled: set[str] | None = None) -> Candidate:
+            context: ContextPolicy | None = None, unruled: set[str] | None = None,
+            placed_on: Callable[[fx.Node], Placement | None] | None = None) -> Candidate:
     """The cheapest allowed candidate on one axis; replicate everything if none is known.
+
+    ``placed_on`` (the placement of an already placed node on this axis; given on tp-like axes): a partial sum
+    that must be completed where it is read (by the program's outputs, as a parameter's gradient, or by an ``add``
+    whose other operand is not partial, as a tied weight's second gradient) costs that all-reduce now: SP's
+    embedding gradient then all-gathers its b x s x h incoming gradient instead of all-reducing V x h. Batch axes
+    defer their gradient reductions to once per step, and cp keeps sequences sharded: there the choice is left
+    to the inputs' costs.
 
     ``sharded``: the node is a sequence-parallel stream value on this axis (any placement but ``SEQUENCE``
     costs its bytes). ``extra``: one more candidate from a rule outside DTensor's (``batch_views``).
@@ -309,11 +323,25 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
             usable = context.allowed(cand, tensor_args, node)
         cost = _cost(node, cand, tensor_args, cur, n, param_like) if usable else NO_CANDIDATE
         cost += replica if cand.output != SEQUENCE else 0.0
+        cost += _final_reduction(node, cand, placed_on) if placed_on is not None and cost < NO_CANDIDATE else 0.0
         cost += context.penalty(cand, node) if context is not None else 0.0
         key = (cost, sum(c != r for c, r in zip(cur, cand.inputs, strict=True)), i)
         if cost < NO_CANDIDATE and key < best_key:
             best, best_key = cand, key
     return best
+
+
+def _final_reduction(node: fx.Node, cand: Candidate, placed_on: Callable[[fx.Node], Placement | None]) -> float:
+    """What completing ``cand``'s partial output costs when every reader needs it complete (0 otherwise)."""
+    def completes(user: fx.Node) -> bool:
+        if user.op == "output":
+            return True
+        others = [a for a in user.all_input_nodes if a is not node]
+        return user.target in PARTIAL_SUMS and any(isinstance(placed_on(a), (Replicate, Shard)) for a in others)
+
+    if isinstance(cand.output, Partial) and node.users and all(completes(u) for u in node.users):
+        return transition_cost(cand.output, Replicate(), _nbytes(node))
+    return 0.0
 
 
 def _stream_shaped(arg: fx.Node, node: fx.Node) -> bool:
