@@ -10,7 +10,9 @@ chooses among them:
   optimum), and a residual ``add(R, P)`` reduces the partial block output.
 * Parameters are never gathered when another strategy exists. A shard need not divide evenly (pieces
   are DTensor's: ``torch.chunk`` sizes), but no rank's piece may be empty.
-* Otherwise the cheapest candidate in bytes moved wins; ties keep the inputs as they are.
+* Otherwise the cheapest candidate in bytes moved wins; ties keep the inputs as they are. On tp-like axes a
+  partial output every reader must complete (a parameter's gradient, a tied weight's gradient sum) also costs
+  its all-reduce: SP's embedding gradient all-gathers its incoming gradient rather than all-reduce the table.
 * With sequence parallelism, a value ``notes["sequence_parallel"]`` names costs its bytes when
   it is not ``Shard(1)`` over tp (as if it moved them), so those values stay sharded on the sequence dim.
 * On a context-parallel axis (``cp``), only sequence dims may be sharded, a value with a sequence dim costs its
