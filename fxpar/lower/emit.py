@@ -79,7 +79,7 @@ class Emitter:
     def fake_value(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """``target`` run on the fake values of ``args``: computed once per op and input metadata (a repeated
         layer's ops see the same shapes: an 80-layer rank graph runs each distinct op once, not 80 times)."""
-        key = _value_key(target, args, kwargs)
+        key = _fake_key(target, args, kwargs)
         if key is not None and key in self._values:
             return self._values[key]
         vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
@@ -122,7 +122,7 @@ _FAKE = _SharedFake()
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
-def _value_key(target: Any, args: tuple, kwargs: dict) -> tuple[Any, ...] | None:
+def _fake_key(target: Any, args: tuple, kwargs: dict) -> tuple[Any, ...] | None:
     """What an op's fake output depends on: the op, its tensors' metadata and its other arguments (None when an
     argument is not plain data: then the op is run every time)."""
     try:
