@@ -201,9 +201,10 @@ def structure_key(module: torch.nn.Module) -> tuple[Any, ...]:
 
 
 def _forward_of(m: torch.nn.Module) -> Any:
-    """The function ``m.forward`` runs (the original one while ``opaque_blocks`` has replaced it)."""
+    """The function ``m.forward`` runs (the original one while ``opaque_blocks`` or ``computing_in`` replaced it)."""
     f = m.__dict__.get("forward", type(m).forward)
-    f = getattr(f, "original", f)
+    while hasattr(f, "original"):  # also under ``fxpar.mixed_precision``'s casting forward
+        f = f.original
     return getattr(f, "__func__", f)
 
 

@@ -27,6 +27,7 @@ from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque
 from fxpar.errors import CaptureError
 from fxpar.ir import Program, Provenance, Signature
 from fxpar.mesh import Mesh
+from fxpar.mixed_precision import computing_in
 from fxpar.moe import experts_as_ops
 from fxpar.simplify import bmm_over_heads, drop_identity_batch_index, tokens_unflattened
 from fxpar.source import _clean_module_path, user_source
@@ -45,20 +46,23 @@ _COMPILER_FILES = tuple(os.path.join(_FXPAR_ROOT, "fxpar", f) for f in os.listdi
                         if f.endswith(".py"))
 
 
-def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...]) -> Program:
+def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...],
+            param_dtype: torch.dtype | None = None) -> Program:
     """Trace ``model(*example_inputs)`` into a global joint Program.
 
     Requires: example inputs with global (unsharded) shapes; parameters on cpu, cuda or meta.
     Ensures: every call_function/placeholder node has provenance (module, source, phase), and
     the signature maps placeholders to parameter names, inputs and tangents. Repeated blocks are
     traced once each (``fxpar.blocks``) unless ``FXPAR_SHARING=0``; the graph is the same either way,
-    and ``notes["captures"]`` says which way it was built.
+    and ``notes["captures"]`` says which way it was built. With ``param_dtype``, the model computes in it
+    (``fxpar.mixed_precision``).
     """
-    return with_shared_blocks(lambda share: _capture(model, mesh, example_inputs, share))
+    return with_shared_blocks(lambda share: _capture(model, mesh, example_inputs, share, param_dtype))
 
 
-def _capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...], share: Sharing) -> Program:
-    exported = export_fake(model, mesh, example_inputs, share=share)
+def _capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...], share: Sharing,
+             param_dtype: torch.dtype | None) -> Program:
+    exported = export_fake(model, mesh, example_inputs, share=share, param_dtype=param_dtype)
     prog = capture_joint(exported.gm, exported, model, mesh, exported.fake_args)
     return prog.replace(notes={**prog.notes, "captures": exported.captures})
 
@@ -103,11 +107,13 @@ class Exported:
 
 
 def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...],
-                share: Sharing | None = None, keep: tuple[str, ...] = ()) -> Exported:
+                share: Sharing | None = None, keep: tuple[str, ...] = (),
+                param_dtype: torch.dtype | None = None) -> Exported:
     """Export ``model`` with fake parameters and inputs (the user's model is left as it was).
 
     ``share``: call repeated blocks (``fxpar.blocks.find_blocks``) as opaque ``fxpar::block`` ops, to be traced
-    once each when the joint is captured; ``keep``: module paths that must stay visible (pipeline stage starts).
+    once each when the joint is captured; ``keep``: module paths that must stay visible (pipeline stage starts);
+    ``param_dtype``: each module computes on its parameters cast to it (``fxpar.mixed_precision``).
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_state = _fake_state(model, fake_mode, mesh.device)
@@ -116,7 +122,7 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     @contextmanager
     def tracing() -> Iterator[None]:
         with _reparametrize_module(model, fake_state, tie_weights=True), \
-                experts_as_ops(model, mesh.axes.get("ep", 1)):
+                experts_as_ops(model, mesh.axes.get("ep", 1)), computing_in(model, param_dtype):
             yield
 
     share = share or Sharing(False)

@@ -135,7 +135,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     start = time.perf_counter()
     ctx = Context(modules=module_table(model, plan.tp), plan=plan, timings=timings)
     if n_stages == 1:
-        programs = [capture(model, mesh, tuple(mb_inputs))]
+        programs = [capture(model, mesh, tuple(mb_inputs), plan.param_dtype)]
         timings["capture"] = time.perf_counter() - start
         programs = [run_pipeline(_with_sequence(programs[0], mb_inputs), ctx)]
         notes: dict[str, Any] = {}
@@ -230,7 +230,7 @@ def _capture_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages:
     """Export once, split into stages, capture each stage's joint (repeated blocks traced once when ``share``)."""
     start = time.perf_counter()
     keep = () if isinstance(stages, int) else tuple(stages)  # a stage starting inside a block keeps it whole
-    exported = export_fake(model, mesh, tuple(flat), share=share, keep=keep)
+    exported = export_fake(model, mesh, tuple(flat), share=share, keep=keep, param_dtype=ctx.plan.param_dtype)
     split = split_stages(exported.gm, model, stages, cost=_cost_model(exported))
     ctx.timings["split_stages"] = time.perf_counter() - start
     programs = []

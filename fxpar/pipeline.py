@@ -13,6 +13,7 @@ from fxpar.passes.annotate import annotate
 from fxpar.passes.fp8 import fp8
 from fxpar.passes.fp8_gather import fp8_gather
 from fxpar.passes.insert_collectives import insert_collectives
+from fxpar.passes.mixed_precision import mixed_precision
 from fxpar.passes.overlap import overlap
 from fxpar.passes.propagate import propagate
 from fxpar.passes.recompute import recompute
@@ -33,6 +34,7 @@ def passes() -> list[tuple[str, Pass]]:
         ("sequence_parallel", sequence_parallel),  # SP: the residual stream to keep sequence-sharded over tp
         ("propagate", propagate),  # sharding through every op of the joint graph (fxpar policy on DTensor rules)
         ("zero", zero),  # zero>=1: which dim each parameter's dp shard is stored on (lowering gathers/scatters)
+        ("mixed_precision", mixed_precision),  # param_dtype/reduce_dtype: zero=3 weights cast on their shard
         ("fp8_gather", fp8_gather),  # zero=3 + fp8: weights cast to float8 on their shard, gathered as float8
         ("insert_collectives", insert_collectives),  # placement changes -> explicit collectives + ledger
         ("recompute", recompute),  # forward values the backward recomputes instead of saving (lowering copies them)

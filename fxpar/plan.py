@@ -33,6 +33,10 @@ class Plan:
     ``stages``: pipeline stages over the ``pp`` axis: an int (cost-balanced split) or module paths
     that each start a stage; ``None`` means one stage per pp rank. ``schedule``: one of
     ``SCHEDULE_NAMES``. ``microbatches``: splits dim 0 of the dp-local batch in ``pm.step``.
+    ``param_dtype`` / ``reduce_dtype``: mixed precision with FSDP2's ``MixedPrecisionPolicy`` semantics
+    (``fxpar.mixed_precision``): parameters and optimizer state keep their own dtype, each module computes
+    on copies of its parameters cast to ``param_dtype`` (floating inputs are cast too), and gradients are
+    reduced in ``reduce_dtype`` (default: ``param_dtype``) and handed over in the parameter's dtype.
     The remaining fields are part of the API and refused with a clear error until implemented.
     """
 
@@ -46,6 +50,9 @@ class Plan:
     fp8: str | dict[str, str] | None = None
     overlap: bool = True
     bucket_mb: int = 25
+    param_dtype: torch.dtype | None = None  # mixed precision: the dtype forward and backward compute in
+    reduce_dtype: torch.dtype | None = None  # the dtype gradients are reduced in (None: param_dtype's)
+    compile: bool = False
     notes: dict[str, Any] = field(default_factory=dict, compare=False)  # filled by the compiler (split, costs)
 
     def resolved(self, **changes: Any) -> Plan:
@@ -84,6 +91,14 @@ def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = No
                         + (f" (did you mean {hint[0]!r}?)" if hint else ""))
     if plan.microbatches is not None and (not isinstance(plan.microbatches, int) or plan.microbatches < 1):
         raise PlanError(f"microbatches must be a positive int, got {plan.microbatches!r}")
+    for name in ("param_dtype", "reduce_dtype"):
+        dtype = getattr(plan, name)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+                                  or dtype.itemsize < 2):
+            raise PlanError(f"{name} must be None or a floating dtype of 16 bits or more (torch.bfloat16, "
+                            f"torch.float16, torch.float32), got {dtype!r}")
+    if plan.compile:
+        raise PlanError("Plan(compile=True) (Inductor-compiled rank programs) is not supported yet")
     return plan
 
 

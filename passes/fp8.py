@@ -31,7 +31,8 @@ def fp8(prog: Program, ctx: Context) -> Program:
     is ``None``, a recipe (``"tensorwise"``, ``"rowwise"``: every Linear whose in and out features are
     multiples of 16) or ``{module glob: recipe}`` (each glob must match Linears with such dims).
     Ensures: each of the module's matmuls (the forward, the input gradient, the weight gradient) becomes
-    ``_scaled_mm(cast(a), cast(b), 1 / scale_a, 1 / scale_b)`` in fp32 out, with dynamic scales
+    ``_scaled_mm(cast(a), cast(b), 1 / scale_a, 1 / scale_b)`` out in the matmul's dtype (fp32; under mixed
+    precision ``param_dtype``, with the scales still fp32), with dynamic scales
     ``scale = fp8_max / amax`` (torchao's recipes): activations and weights in e4m3, gradients in e5m2.
     ``tensorwise``: one scale per operand, the amax over the whole (global) tensor, so a sharded operand's
     amax is a max over its shards (propagation makes it a ``Partial("max")``, lowered as a one-scalar max
@@ -149,7 +150,7 @@ def _rewrite(graph: fx.Graph, mm: fx.Node, recipe: str, weights: set[fx.Node], p
             b8 = emit(aten.t.default, emit(aten.clone.default, emit(aten.t.default, b8),
                                            memory_format=torch.contiguous_format))
         _tag_weight_cast(start, mm, b, weights)
-        out = emit(aten._scaled_mm.default, a8, b8, a_inv, b_inv, None, None, torch.float32)
+        out = emit(aten._scaled_mm.default, a8, b8, a_inv, b_inv, None, None, mm.meta["val"].dtype)
     mm.replace_all_uses_with(out)
     graph.erase_node(mm)
 
@@ -171,10 +172,16 @@ def _cast(op: Callable, x: Any, dtype: torch.dtype, dims: list[int]) -> tuple[An
     ``dims``: the dims the amax reduces (both: tensorwise; the contracting one, kept: rowwise). ``op(target,
     *args)`` applies an aten op: eagerly (``quantize``) or by emitting a graph node (the pass)."""
     amax = op(aten.amax.default, op(aten.abs.default, x), dims, len(dims) == 1)
+    if _dtype_of(x) != torch.float32:  # mixed precision: scales are float32 (what _scaled_mm takes)
+        amax = op(aten._to_copy.default, amax, dtype=torch.float32)
     inverse = op(aten.div.Tensor, op(aten.clamp_min.default, amax, EPS), FP8_MAX[dtype])  # amax / fp8_max
     scaled = op(aten.clamp.default, op(aten.mul.Tensor, x, op(aten.reciprocal.default, inverse)),
                 -FP8_MAX[dtype], FP8_MAX[dtype])
     return op(aten._to_copy.default, scaled, dtype=dtype), inverse
+
+
+def _dtype_of(x: Any) -> torch.dtype:
+    return x.meta["val"].dtype if isinstance(x, fx.Node) else x.dtype
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, dims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

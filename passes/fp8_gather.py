@@ -34,12 +34,34 @@ def fp8_gather(prog: Program, ctx: Context) -> Program:
     """
     if ctx.plan.fp8 is None or prog.notes.get("zero_level") != 3 or "dp" not in prog.mesh.names:
         return prog
-    ax = prog.mesh.axis_index("dp")
-    dims = {name: prog.notes["zero"][fqn] for fqn, name in prog.signature.params if fqn in prog.notes["zero"]}
+    dims = zero3_dims(prog)
     casts: dict[str, list[fx.Node]] = {}
     for n in prog.graph.nodes:
         if n.meta.get("fp8_weight") in dims:
             casts.setdefault(n.meta["fp8_weight"], []).append(n)
+    placements, arg_placements, done = shard_casts(prog, casts, dims)
+    if not done:
+        return prog
+    fqns = [fqn for fqn, name in prog.signature.params if name in done]
+    return prog.replace("fp8_gather", placements=placements, arg_placements=arg_placements,
+                        notes={**prog.notes, "fp8_gather": fqns})
+
+
+def zero3_dims(prog: Program) -> dict[str, int]:
+    """ZeRO-3 parameter placeholder -> the dim its dp shard is on (``notes["zero"]``, by graph name)."""
+    return {name: prog.notes["zero"][fqn] for fqn, name in prog.signature.params if fqn in prog.notes["zero"]}
+
+
+def shard_casts(prog: Program, casts: dict[str, list[fx.Node]], dims: dict[str, int]
+                ) -> tuple[dict[str, tuple], dict[str, tuple], list[str]]:
+    """Placements that run each weight's ``casts`` on its ZeRO-3 dp shard ``Shard(dims[weight])``.
+
+    Ensures: for every weight whose casts reach it through transposes only, the cast nodes (and those
+    transposes) are placed as the shard moved through them and read the weight as its dp shard; insert_collectives
+    then all-gathers the cast value where it is read whole. Returns the new placements, the new argument
+    placements and the weights done.
+    """
+    ax = prog.mesh.axis_index("dp")
     placements = dict(prog.placements)
     arg_placements = dict(prog.arg_placements)
     done = []
@@ -54,11 +76,7 @@ def fp8_gather(prog: Program, ctx: Context) -> Program:
                                            for a, req in zip(consumed_tensors(n), prog.arg_placements[n.name],
                                                              strict=True))
         done.append(weight)
-    if not done:
-        return prog
-    fqns = [fqn for fqn, name in prog.signature.params if name in done]
-    return prog.replace("fp8_gather", placements=placements, arg_placements=arg_placements,
-                        notes={**prog.notes, "fp8_gather": fqns})
+    return placements, arg_placements, done
 
 
 def _dp_placements(weight: fx.Node, dim: int, casts: list[fx.Node]) -> dict[fx.Node, Placement] | None:

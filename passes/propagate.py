@@ -5,7 +5,9 @@ chooses among them:
 
 * Never redistribute into ``Partial`` (that would divide values among ranks).
 * A ``Partial`` input stays partial only through linear ops that keep sums exact: views,
-  ``add``/``sub`` of partials, scalar scaling, ``sum``. Anything else reduces it first. So the
+  ``add``/``sub`` of partials, scalar scaling, ``sum``, and (up to rounding) casts between 16- and 32-bit
+  floating dtypes (mixed precision: a batch axis then reduces a gradient where it is handed over, in
+  ``reduce_dtype``, as FSDP2 does). Anything else reduces it first. So the
   input gradients of q, k and v are summed while partial and reduced once (Megatron's
   optimum), and a residual ``add(R, P)`` reduces the partial block output.
 * Parameters are never gathered when another strategy exists. A shard need not divide evenly (pieces
@@ -403,8 +405,18 @@ def _allowed(node: fx.Node, cand: Candidate, cur: list[Placement], n: int) -> bo
     if any(kept_partial):
         if node.target in PARTIAL_SUMS:
             return all(kept_partial)
-        return node.target in PARTIAL_LINEAR or is_partial_scatter_add(node, cand)
+        return node.target in PARTIAL_LINEAR or is_partial_scatter_add(node, cand) or is_float_cast(node)
     return True
+
+
+def is_float_cast(node: fx.Node) -> bool:
+    """A cast between floating dtypes of 16 bits or more (mixed precision's casts): a partial sum stays partial
+    through it, up to one rounding per rank, as FSDP2 reduces each rank's cast gradient; an fp8 cast does not."""
+    if node.target is not aten._to_copy.default or set(node.kwargs) - {"dtype", "layout", "device"}:
+        return False
+    src, out = tensor_val(node.args[0]), node.meta.get("val")
+    return (src is not None and isinstance(out, torch.Tensor) and src.device == out.device
+            and all(t.dtype.is_floating_point and t.dtype.itemsize >= 2 for t in (src, out)))
 
 
 def is_plain_sum(p: Placement) -> bool:

@@ -139,3 +139,19 @@ def test_zero3_float8_gather_computes_what_the_unsharded_cast_computes(recipe: s
     torch.testing.assert_close(z3["output"], dp["output"], rtol=0, atol=0)
     for name, g in dp["grads"].items():
         torch.testing.assert_close(z3["grads"][name], g, rtol=1e-6, atol=0, msg=name)
+
+
+def test_fp8_under_bf16_mixed_precision_keeps_fp32_scales_and_matches_unsharded() -> None:
+    # param_dtype=bf16: the casts feed float8 from bf16 (scales stay fp32, _scaled_mm outputs bf16); tp=2 and
+    # zero=3 against the unsharded program on each dp rank, at 30 dB (bf16 partial sums round before the all-reduce)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(2))
+    mixed = {"fp8": "tensorwise", "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    pool = default_pool()
+    [tp, _] = pool.run(fp8_step, 2, CONFIG, {"tp": 2}, fxpar.Plan(tp=MLP_PLAN, **mixed), x, timeout=300)
+    [z3, _] = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(zero=3, **mixed), torch.cat([x, x]), timeout=300)
+    [dp, _] = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(**mixed), torch.cat([x, x]), timeout=300)
+    assert dp["output"].dtype == torch.bfloat16
+    for got in (tp, z3):
+        assert snr(dp["output"][: len(x)].float(), got["output"][: len(x)].float()) >= 30
+        for name, g in dp["grads"].items():
+            assert g.dtype == torch.float32 and snr(g, got["grads"][name]) >= 30, name

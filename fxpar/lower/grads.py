@@ -2,7 +2,8 @@
 
 ``gather_params``: ZeRO-1/2's all-gather of the dp-sharded parameters before a step. ``reduce_grads``: the batch
 axes' gradient reductions (dp, and ep for dense parameters) deferred out of the backward so that microbatches'
-gradients are summed first, then all-reduced in the overlap pass's buckets (or reduce-scattered under ZeRO).
+gradients are summed first, then all-reduced in the overlap pass's buckets (or reduce-scattered under ZeRO), in the
+plan's ``reduce_dtype`` when it has one (cast there, and back to the gradient's dtype after).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class StepCollectives:
             for pos, fqn, _ in self.deferred:
                 placeholders[fqn] = ph = self.graph.placeholder(f"grad_{fqn.replace('.', '_')}")
                 ph.meta.update(outs[pos - num_outputs].meta)
-            results: dict[str, fx.Node] = dict(placeholders)
+            results = {fqn: self._in_reduce_dtype(ph, fqn) for fqn, ph in placeholders.items()}
             for axis in (a for a in self.mesh.names if a in BATCH_AXES):  # dp, then ep: each sums its own partial
                 reduced = {fqn: results[fqn] for fqn in placeholders if axis in self.deferred_axes[fqn]}
                 for bucket in self.buckets(reduced):
@@ -85,8 +86,19 @@ class StepCollectives:
                                                           contiguous=True, zero_shard=True)
                     else:
                         results.update(self.all_reduce_bucket([(fqn, results[fqn]) for fqn in bucket], axis))
-            self.graph.output(tuple(results[fqn] for _, fqn, _ in self.deferred))
+            self.graph.output(tuple(self._cast(results[fqn], placeholders[fqn].meta["val"].dtype, fqn)
+                                    for _, fqn, _ in self.deferred))
         return graph
+
+    def _in_reduce_dtype(self, grad: fx.Node, fqn: str) -> fx.Node:
+        """``grad`` cast to the plan's ``reduce_dtype`` (``notes["mixed_precision"]``), if it has another dtype."""
+        reduce_dtype = self.prog.notes.get("mixed_precision", (None, None))[1]
+        return grad if reduce_dtype is None else self._cast(grad, reduce_dtype, fqn)
+
+    def _cast(self, x: fx.Node, dtype: torch.dtype, fqn: str) -> fx.Node:
+        if x.meta["val"].dtype == dtype:
+            return x
+        return self.emit(aten._to_copy.default, (x,), {"dtype": dtype}, module=fqn)
 
     def buckets(self, placeholders: dict[str, fx.Node]) -> list[list[str]]:
         """The gradients this graph reduces, one collective per list: a ZeRO shard's reduce-scatter alone, then

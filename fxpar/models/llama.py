@@ -78,7 +78,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (b, heads, s, head_dim); cos/sin: (s, head_dim)."""
+    """x: (b, heads, s, head_dim); cos/sin: (s, head_dim), float32 tables used in x's dtype (as HF Llama does)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 

@@ -37,6 +37,7 @@ import fxpar
 from fxpar import serialize
 from fxpar.api import compile_program
 from fxpar.compiled import Compiled
+from fxpar.mixed_precision import computing_in
 from fxpar.split import BATCH_AXES, Splitter, batch_ranks, batch_weight, chunk_sizes, rank_batch
 from fxpar.testing.collectives import LOSS_REPORT, CollectiveCounter, ledger_mismatch
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
@@ -195,6 +196,22 @@ def check_rank(case: Case) -> RankReport:
     rank = dist.get_rank()
     mesh = fxpar.Mesh(case.mesh_axes)
     reference, model = _build_twice(case)
+    with computing_in(reference, _param_dtype(case)):  # the reference makes the plan's casts (mixed precision)
+        return _check_rank(case, mesh, rank, reference, model)
+
+
+def _param_dtype(case: Case) -> torch.dtype | None:
+    return getattr(case.plan, "param_dtype", None)
+
+
+def _compute_dtype(case: Case, reference: torch.nn.Module) -> torch.dtype:
+    """The dtype the tolerance is for: the plan's ``param_dtype``, else the model's parameters'."""
+    return _param_dtype(case) or next((p.dtype for p in reference.parameters() if p.is_floating_point()),
+                                      torch.float32)
+
+
+def _check_rank(case: Case, mesh: fxpar.Mesh, rank: int, reference: torch.nn.Module,
+                model: torch.nn.Module) -> RankReport:
     pm = fxpar.ParallelModule(_compile_once(model, mesh, case), model, rank, loss_fn=case.loss_fn or mean_square)
     fxpar.verify(pm)
     if case.rank_hook is not None:
@@ -202,8 +219,7 @@ def check_rank(case: Case) -> RankReport:
     report = RankReport(rank, program=pm.program(rank) if case.want_program else "")
     if len(pm._compiled.stages) > 1 or pm._compiled.microbatches > 1 or case.targets is not None:
         return _check_steps(case, pm, reference, report)
-    dtype = next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
-    tol = default_tolerance(dtype, case.rtol, case.atol)
+    tol = default_tolerance(_compute_dtype(case, reference), case.rtol, case.atol)
     local_inputs = _dp_shard(case.inputs, mesh, rank)
     opt = torch.optim.AdamW(pm.parameters(), lr=case.lr, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
@@ -233,8 +249,7 @@ def check_rank(case: Case) -> RankReport:
 def _check_steps(case: Case, pm: fxpar.ParallelModule, reference: torch.nn.Module, report: RankReport) -> RankReport:
     """``pm.step`` (pipeline schedule, microbatches) against the single-device loss, gradients and parameters."""
     mesh, rank = pm.mesh, report.rank
-    dtype = next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
-    tol = default_tolerance(dtype, case.rtol, case.atol)
+    tol = default_tolerance(_compute_dtype(case, reference), case.rtol, case.atol)
     local_inputs = _dp_shard(case.inputs, mesh, rank)
     local_targets = _dp_shard((case.targets,), mesh, rank)[0] if case.targets is not None else None
     opt = torch.optim.AdamW(pm.parameters(), lr=case.lr, eps=ADAM_EPS)

@@ -1,0 +1,74 @@
+"""Mixed precision with FSDP2's ``MixedPrecisionPolicy`` semantics, applied where the model is traced.
+
+``Plan(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: parameters (the master weights) and
+optimizer state keep their own dtype; every module that owns floating parameters runs its ``forward``
+on copies of them cast to ``param_dtype``, and the root casts its floating tensor inputs too (FSDP2's
+``cast_forward_inputs``). The backward of each cast hands the gradient back in the parameter's dtype,
+where the batch axes reduce it in ``reduce_dtype`` (``fxpar.lower.grads``).
+
+The casts are made while the model is traced, not by rewriting a float32 graph afterwards: a model's
+own code branches on dtypes (an RMSNorm computes in float32 and casts back to its input's dtype, an
+attention mask is built in the query's dtype), and only a trace in ``param_dtype`` records what the
+model does in it. Each cast sits inside the module that owns the parameter, so its provenance, its
+pipeline stage and its repeated block are that module's; under ZeRO-3 ``gather_casts`` runs it on the
+dp shard, so the all-gather moves ``param_dtype`` bytes. ``computing_in`` is also what a single-device
+reference runs, so equivalence compares the same arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+@contextmanager
+def computing_in(model: torch.nn.Module, param_dtype: torch.dtype | None) -> Iterator[None]:
+    """Inside: ``model`` computes in ``param_dtype`` (see the module docstring); nothing changes for ``None``.
+
+    Requires: the model is not being run by another thread. Ensures: on exit every patched ``forward`` is
+    the one it was (the model's parameters are never replaced outside a call).
+    """
+    if param_dtype is None:
+        yield
+        return
+    patched: list[tuple[torch.nn.Module, bool]] = []
+    try:
+        for module in model.modules():
+            names = [n for n, p in module._parameters.items()
+                     if p is not None and p.is_floating_point() and p.dtype != param_dtype]
+            root = module is model
+            if names or root:
+                had = "forward" in module.__dict__
+                module.forward = _casting_forward(module, module.forward, names, param_dtype, root)
+                patched.append((module, had))
+        yield
+    finally:
+        for module, had in reversed(patched):
+            if had:
+                module.forward = module.forward.original  # type: ignore[attr-defined]
+            else:
+                del module.forward
+
+
+def _casting_forward(module: torch.nn.Module, forward: Callable[..., Any], names: list[str], dtype: torch.dtype,
+                     cast_inputs: bool) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if cast_inputs:
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _cast_input(t, dtype), (args, kwargs))
+        saved = {n: module._parameters[n] for n in names}
+        try:
+            for n, p in saved.items():
+                module._parameters[n] = p.to(dtype)  # a plain tensor: the module reads it as its parameter
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    call.original = forward  # type: ignore[attr-defined]
+    return call
+
+
+def _cast_input(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t

@@ -1,0 +1,112 @@
+"""Mixed precision, ``Plan(param_dtype=..., reduce_dtype=...)``: FSDP2's ``MixedPrecisionPolicy`` semantics.
+
+Equivalence is against the single-device model making the same casts (``fxpar.mixed_precision.computing_in``:
+bf16 forward and backward from fp32 master weights, fp32 gradients) at bf16 tolerance
+(``fxpar.testing.tolerance``: rtol 1.6e-2, atol 1e-2 x max|ref| at step 0; 5e-2 later; parameters within
+2 lr): a sharded matmul rounds its partial products to bf16 before they are summed, the single device
+rounds the sum once.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from functools import partial
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.errors import PlanError
+from fxpar.models.llama import llama, llama_plan
+from fxpar.testing import assert_equivalent, default_pool
+from fxpar.testing.error_models import next_token_loss
+from fxpar.testing.probes import measured_memory
+
+BF16, FP32 = torch.bfloat16, torch.float32
+TOKENS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+MIXED = {"param_dtype": BF16, "reduce_dtype": FP32}
+
+
+def _compile(axes: dict[str, int], **plan: object) -> fxpar.ParallelModule:
+    tp = llama_plan() if "tp" in axes else {}
+    return fxpar.parallelize(llama(n_layers=2), fxpar.Mesh(axes, fake=True), (TOKENS,),
+                             plan=fxpar.Plan(tp=tp, **plan), loss_fn=next_token_loss, example_targets=TOKENS)
+
+
+def _local_elements(model: torch.nn.Module, tp: int) -> int:
+    """Psi per rank in elements: a parameter of a colwise/rowwise module holds 1/tp of its elements."""
+    def sharded(name: str) -> bool:
+        return any(fnmatch(name.rsplit(".", 1)[0], glob) for glob in llama_plan())
+
+    return sum(p.numel() // tp if sharded(name) else p.numel() for name, p in model.named_parameters())
+
+
+def test_plan_refuses_what_is_not_a_compute_dtype() -> None:
+    with pytest.raises(PlanError, match="param_dtype must be None or a floating dtype"):
+        _compile({"dp": 2}, param_dtype=torch.int8)
+    with pytest.raises(PlanError, match="reduce_dtype"):
+        _compile({"dp": 2}, reduce_dtype=torch.float8_e4m3fn)
+    with pytest.raises(PlanError, match="compile=True"):
+        _compile({"dp": 2}, compile=True)
+
+
+def test_casts_sit_in_the_module_that_owns_the_parameter_and_are_printed() -> None:
+    program = _compile({"dp": 2}, **MIXED).program(0)
+    assert "mixed_precision" in program.splitlines()[2]  # the passes line of the header
+    q_cast = [line for line in program.splitlines() if "_to_copy(layers_0_attn_q_weight, dtype=torch.bfloat16)" in line]
+    assert q_cast and q_cast[0].rstrip().endswith("layers.0.attn.q")
+    # master weights stay fp32: the forward takes them as they are; the backward hands fp32 gradients over
+    pm = _compile({"dp": 2}, **MIXED)
+    assert all(p.dtype == FP32 for p in pm.parameters())
+
+
+def test_zero3_gathers_bf16_and_reduces_in_reduce_dtype() -> None:
+    model = llama(n_layers=2)
+    psi = _local_elements(model, tp=2)
+    for reduce_dtype, grad_bytes in ((FP32, 4), (None, 2)):  # None: FSDP2's default, param_dtype
+        pm = _compile({"dp": 2, "tp": 2}, zero=3, param_dtype=BF16, reduce_dtype=reduce_dtype)
+        rows = [r for r in pm.ledger(0) if r.axis == "dp"]
+        gathers = [r for r in rows if r.op == "all_gather"]
+        scatters = [r for r in rows if r.op == "reduce_scatter"]
+        assert gathers and all(r.dtype == BF16 for r in gathers)
+        assert scatters and all(r.dtype == (reduce_dtype or BF16) for r in scatters)
+        # every parameter gathered whole once in the forward (and again in the backward), in 2 bytes
+        assert sum(r.bytes for r in gathers if r.phase == "fwd") == 2 * psi
+        assert sum(r.bytes for r in scatters) == grad_bytes * psi
+    assert all(r.op not in ("all_reduce", "reduce_scatter") or r.dtype == FP32
+               for r in _compile({"dp": 2}, **MIXED).ledger(0) if r.axis == "dp")
+
+
+def test_memory_formula_under_zero3() -> None:
+    # fp32 master weights, fp32 gradients, two fp32 Adam moments: (4 + 4 + 8) Psi / N; the bf16 working copies
+    # are gathered inside the graphs (transient) or saved for the backward (activations)
+    pm = _compile({"dp": 2, "tp": 2}, zero=3, **MIXED)
+    psi = _local_elements(llama(n_layers=2), tp=2)
+    mem = pm.memory(0)
+    assert (mem.params, mem.grads, mem.optimizer) == (4 * psi // 2, 4 * psi // 2, 8 * psi // 2)
+    assert mem.transient >= 2 * max(p.numel() for p in llama(n_layers=2).parameters()) // 2
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_memory_equals_local_storage_after_a_real_step(zero: int) -> None:
+    plan = fxpar.Plan(tp=llama_plan(), zero=zero, **MIXED)
+    for r in default_pool().run(measured_memory, 4, llama, {"dp": 2, "tp": 2}, plan, TOKENS, next_token_loss,
+                                timeout=300):
+        mem = r["predicted"]
+        assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
+        assert mem.activations == r["saved_per_microbatch"]
+
+
+def test_dp2_tp2_matches_the_single_device_casts() -> None:
+    assert_equivalent(partial(llama, n_layers=2), {"dp": 2, "tp": 2}, fxpar.Plan(tp=llama_plan(), **MIXED),
+                      (TOKENS,), steps=2)
+
+
+def test_zero3_matches_the_single_device_casts() -> None:
+    assert_equivalent(partial(llama, n_layers=2), {"dp": 2}, fxpar.Plan(zero=3, **MIXED), (TOKENS,), steps=2)
+
+
+def test_pipeline_dp_matches_the_single_device_casts() -> None:
+    plan = fxpar.Plan(stages=2, microbatches=2, schedule="1f1b", **MIXED)
+    assert_equivalent(partial(llama, n_layers=2), {"pp": 2, "dp": 2}, plan, (TOKENS,), steps=2,
+                      loss_fn=next_token_loss, targets=TOKENS)
