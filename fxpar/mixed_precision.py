@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+
 @contextmanager
 def computing_in(model: torch.nn.Module, param_dtype: torch.dtype | None) -> Iterator[None]:
     """Inside: ``model`` computes in ``param_dtype`` (see the module docstring); nothing changes for ``None``.
