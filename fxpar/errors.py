@@ -13,6 +13,10 @@ class CaptureError(RuntimeError):
     """The model could not be traced; the message points at the user's source line."""
 
 
+class InductorError(RuntimeError):
+    """``Plan(compile=True)``: Inductor could not compile a rank's graph; the message names the graph and node."""
+
+
 class FxparWarning(UserWarning):
     """fxpar compiled the model but something deserves the user's attention."""
 

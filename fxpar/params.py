@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
@@ -15,6 +14,7 @@ from torch.distributed.tensor.placement_types import Placement
 from fxpar.backends.comm import bind_groups
 from fxpar.compiled import Compiled
 from fxpar.executor import StageRunner
+from fxpar.inductor import compiled_graph
 from fxpar.ir import Program
 from fxpar.mesh import Mesh
 from fxpar.rank_spec import stage_spec
@@ -110,15 +110,19 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
     return stage_buffers, runners, _tie_groups(compiled, rank)
 
 
-def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str]) -> dict[str, fx.GraphModule]:
-    """Every graph a step event of ``rank``'s ``stage`` may run, with its collectives bound to real groups."""
+def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str]) -> dict[str, Any]:
+    """Every graph a step event of ``rank``'s ``stage`` may run, with its collectives bound to real groups
+    (``GraphModule``s; with ``Plan(compile=True)`` each compiled by Inductor on its first call)."""
     rp = compiled.rank_program(rank, stage)
     graphs = {"forward": rp.forward, "backward": rp.backward, "reduce_grads": rp.reduce_grads,
               "gather_params": rp.gather_params}
     if compiled.schedule.has_w:
         graphs["backward_b"] = compiled.stage_graph(rank, stage, "backward_b")
         graphs["backward_w"] = compiled.stage_graph(rank, stage, "backward_w")
-    return {name: bind_groups(gm, names) for name, gm in graphs.items() if gm is not None}
+    bound = {name: bind_groups(gm, names) for name, gm in graphs.items() if gm is not None}
+    if compiled.plan.compile:  # Inductor, on each graph's first call
+        return {name: compiled_graph(gm, f"rank {rank} stage {stage} {name}") for name, gm in bound.items()}
+    return bound
 
 
 def param_placements(prog: Program, fqn: str, name: str) -> list[Placement]:

@@ -37,6 +37,7 @@ class Plan:
     (``fxpar.mixed_precision``): parameters and optimizer state keep their own dtype, each module computes
     on copies of its parameters cast to ``param_dtype`` (floating inputs are cast too), and gradients are
     reduced in ``reduce_dtype`` (default: ``param_dtype``) and handed over in the parameter's dtype.
+    ``compile``: each rank's graphs run compiled by Inductor (``fxpar.inductor``).
     The remaining fields are part of the API and refused with a clear error until implemented.
     """
 
@@ -97,8 +98,8 @@ def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = No
                                   or dtype.itemsize < 2):
             raise PlanError(f"{name} must be None or a floating dtype of 16 bits or more (torch.bfloat16, "
                             f"torch.float16, torch.float32), got {dtype!r}")
-    if plan.compile:
-        raise PlanError("Plan(compile=True) (Inductor-compiled rank programs) is not supported yet")
+    if not isinstance(plan.compile, bool):
+        raise PlanError(f"compile must be True or False, got {plan.compile!r}")
     return plan
 
 

@@ -24,6 +24,9 @@ RUNTIME_KINDS = {
     **{op: kind for op, kind in COLLECTIVES.items() if kind != "wait"},  # the graphs' functional collectives
     _c10d.send.default: "send", _c10d.recv_.default: "recv",  # pipeline transfers
     _c10d.allreduce_.default: "all_reduce",  # tied-weight gradient sums and the loss report
+    # what Inductor's generated code calls for them (Plan(compile=True))
+    torch.ops._c10d_functional.all_reduce_.default: "all_reduce",
+    torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",
 }
 LEDGER_KINDS = {"all_reduce": "all_reduce", "all_reduce_max": "all_reduce", "all_gather": "all_gather",
                 "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all", "send": "send", "recv": "recv"}

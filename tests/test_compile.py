@@ -1,0 +1,77 @@
+"""``Plan(compile=True)``: every rank graph compiled by Inductor, collectives kept in the compiled graph.
+
+Equivalence is against the single-device model at fp32 tolerance (rtol 1e-5): Inductor fuses pointwise ops and
+reorders sums inside fused kernels, which moves results by rounding only. The harness also holds the ledger to
+the collectives the compiled graphs issue (Inductor calls the in-place functional variants; they are counted).
+"""
+
+from __future__ import annotations
+
+import shutil
+from functools import partial
+
+import pytest
+import torch
+import torch.fx as fx
+
+import fxpar
+from fxpar.errors import InductorError
+from fxpar.inductor import compiled_graph
+from fxpar.models.llama import llama, llama_plan
+from fxpar.testing import assert_equivalent
+from fxpar.testing.error_models import next_token_loss
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="Inductor's CPU backend needs a C++ compiler")
+TOKENS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_dp2_tp2_compiled_matches_the_single_device() -> None:
+    assert_equivalent(partial(llama, n_layers=2), {"dp": 2, "tp": 2}, fxpar.Plan(tp=llama_plan(), compile=True),
+                      (TOKENS,), steps=2)
+
+
+def test_zero3_compiled_matches_the_single_device() -> None:
+    assert_equivalent(partial(llama, n_layers=2), {"dp": 2}, fxpar.Plan(zero=3, compile=True), (TOKENS,), steps=2)
+
+
+def test_pipeline_1f1b_compiled_matches_the_single_device() -> None:
+    plan = fxpar.Plan(stages=2, microbatches=2, schedule="1f1b", compile=True)
+    assert_equivalent(partial(llama, n_layers=2), {"pp": 2}, plan, (TOKENS,), steps=2, loss_fn=next_token_loss,
+                      targets=TOKENS)
+
+
+def test_mixed_precision_compiled_matches_the_single_device_casts() -> None:
+    # one step: Inductor keeps bf16 pointwise chains in fp32 registers inside a fused kernel (rounding once, where
+    # eager rounds after every op), so an element at the bf16 floor can move its own way in each later step
+    plan = fxpar.Plan(compile=True, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert_equivalent(partial(llama, n_layers=2), {"dp": 2}, plan, (TOKENS,), steps=1)
+
+
+def test_a_compiler_failure_names_the_rank_graph_and_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    def f(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.mm(a, b).relu(),)
+
+    gm = fx.symbolic_trace(f)
+
+    def fails(gm: fx.GraphModule, args: list[torch.Tensor]) -> None:
+        raise RuntimeError("LoweringException: no lowering for %mm while compiling")
+
+    monkeypatch.setattr("fxpar.inductor.compile_fx", fails)
+    run = compiled_graph(gm, "rank 3 stage 1 backward")
+    with pytest.raises(InductorError, match=r"rank 3 stage 1 backward: RuntimeError: LoweringException.*\n  at node mm"
+                       ):
+        run(torch.randn(2, 2), torch.randn(2, 2))
+
+
+def test_compiled_graph_returns_what_the_graph_returns() -> None:
+    def f(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.mm(a, b).relu(), a * 2 + b
+
+    gm = fx.symbolic_trace(f)
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    run = compiled_graph(gm, "rank 0 stage 0 forward")
+    for _ in range(2):  # compiled on the first call, reused on the second
+        got, want = run(a, b), gm(a, b)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
