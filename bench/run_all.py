@@ -15,6 +15,7 @@
 10. ``context_parallel.py``: cp activation memory, bytes against the all-gather formula, causal balance.
 11. ``expert_parallel.py``: ep parameter memory, all-to-all and all-reduce bytes against their formulas, routing.
 13. ``mixed_precision.py``: bf16 mixed precision vs FSDP2's MixedPrecisionPolicy: bytes by dtype, step time.
+14. ``compiled.py``: Plan(compile=True) vs eager, DDP eager and DDP + torch.compile: step time.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def commands(layers: str, repeats: int) -> list[list[str]]:
             [py, os.path.join(HERE, "fp8.py")],
             [py, os.path.join(HERE, "context_parallel.py")],
             [py, os.path.join(HERE, "expert_parallel.py")],
-            [py, os.path.join(HERE, "mixed_precision.py")]]
+            [py, os.path.join(HERE, "mixed_precision.py")],
+            [py, os.path.join(HERE, "compiled.py")]]
 
 
 def main() -> None:
