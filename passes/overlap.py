@@ -20,9 +20,11 @@ def overlap(prog: Program, ctx: Context) -> Program:
     """Group the parameter gradients all-reduced over the batch axes (dp, ep) into buckets of about
     ``plan.bucket_mb`` MB.
 
-    Requires: placements and the ``zero`` pass's notes (ZeRO shards reduce-scatter per parameter instead).
-    Ensures: with ``plan.overlap``, ``notes["overlap"] = {"buckets": [[fqn, ...], ...], "bucket_bytes": B,
-    "in_backward": bool}``: parameters replicated over dp, in the order the backward produces their
+    Requires: placements and the ``zero`` pass's notes.
+    Ensures: with ``plan.overlap``, ``notes["overlap"] = {"buckets": [[fqn, ...], ...], "zero_buckets": [...],
+    "bucket_bytes": B, "in_backward": bool}``: ``zero_buckets`` are the ZeRO shards' buckets, cut as below and at
+    every change of repeated block (one flat reduce-scatter per bucket, and under ZeRO-1/2 one flat all-gather);
+    ``buckets``: parameters replicated over dp, in the order the backward produces their
     gradients, cut greedily so a bucket's local bytes on rank 0 exceed ``B`` only when one gradient alone
     does (DDP's rule); gradients produced after the backward's last matmul join one final bucket (no
     compute is left to hide them behind, so one collective is cheapest). Every rank uses the same
@@ -42,14 +44,19 @@ def overlap(prog: Program, ctx: Context) -> Program:
     mesh = prog.mesh
     bucket_bytes = int(plan.bucket_mb * 2**20)
     buckets: list[list[str]] = []
+    zero_buckets: list[list[str]] = []
     if batch_ranks(mesh) > 1:
-        buckets = _buckets(prog, bucket_bytes)
+        buckets = _buckets(prog, bucket_bytes, sharded=False)
+        zero_buckets = _buckets(prog, bucket_bytes, sharded=True) if prog.notes.get("zero") else []
     single = prog.notes.get("stage") is None and (plan.microbatches or 1) == 1
-    notes = {"buckets": buckets, "bucket_bytes": bucket_bytes, "in_backward": single}
+    notes = {"buckets": buckets, "zero_buckets": zero_buckets, "bucket_bytes": bucket_bytes, "in_backward": single}
     return prog.replace("overlap", notes={**prog.notes, "overlap": notes})
 
 
-def _buckets(prog: Program, bucket_bytes: int) -> list[list[str]]:
+def _buckets(prog: Program, bucket_bytes: int, sharded: bool) -> list[list[str]]:
+    """Gradient buckets in backward order: of the parameters replicated over dp (``sharded=False``: all-reduced)
+    or of the ZeRO shards (``sharded=True``: reduce-scattered, and gathered, one flat buffer per bucket; a bucket
+    then also ends where the repeated block a parameter sits in changes, FSDP2's one group per block)."""
     dp_ax = prog.mesh.axis_index("dp" if prog.mesh.axes.get("dp", 1) > 1 else "ep")  # the outer batch axis
     zero = prog.notes.get("zero", {})
     split = splitter(prog)
@@ -60,7 +67,7 @@ def _buckets(prog: Program, bucket_bytes: int) -> list[list[str]]:
     produced: list[tuple[int, str, int, str]] = []
     for fqn, idx in prog.signature.grads:
         name = param_name[fqn]
-        if fqn in zero or grads[idx] is None or not isinstance(prog.placements[name][dp_ax], Replicate):
+        if (fqn in zero) != sharded or grads[idx] is None or not isinstance(prog.placements[name][dp_ax], Replicate):
             continue
         val = prog.node(name).meta["val"]
         local = split.local_shape(val.shape, prog.placements[name], coord)
@@ -68,13 +75,22 @@ def _buckets(prog: Program, bucket_bytes: int) -> list[list[str]]:
     last_matmul = max((order[n.name] for n in prog.graph.nodes
                        if n.target in MATMULS and is_backward(prog, n)), default=-1)
     buckets: list[list[str]] = []
-    size, dtype, tail = 0, "", False
+    size, dtype, tail, block = 0, "", False, None
     for at, fqn, nbytes, dt in sorted(produced):
-        if buckets and (tail or (size + nbytes <= bucket_bytes and dt == dtype)):  # one dtype: one buffer
+        same_block = not sharded or block_of(fqn) == block
+        if buckets and same_block and (tail or (size + nbytes <= bucket_bytes and dt == dtype)):  # one dtype
             buckets[-1].append(fqn)
             size += nbytes
         else:
             buckets.append([fqn])
-            size, dtype = nbytes, dt
+            size, dtype, block = nbytes, dt, block_of(fqn)
         tail = tail or (at > last_matmul and dt == dtype)
     return buckets
+
+
+def block_of(fqn: str) -> str:
+    """The repeated block a parameter sits in: its path up to the last numbered component (``layers.3`` for
+    ``layers.3.mlp.up.weight``), or ``""`` outside any numbered container (embeddings, final norm, head)."""
+    parts = fqn.split(".")
+    numbered = [i for i, part in enumerate(parts[:-1]) if part.isdigit()]
+    return ".".join(parts[: numbered[-1] + 1]) if numbered else ""

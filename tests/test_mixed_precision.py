@@ -46,8 +46,8 @@ def test_plan_refuses_what_is_not_a_compute_dtype() -> None:
         _compile({"dp": 2}, param_dtype=torch.int8)
     with pytest.raises(PlanError, match="reduce_dtype"):
         _compile({"dp": 2}, reduce_dtype=torch.float8_e4m3fn)
-    with pytest.raises(PlanError, match="compile=True"):
-        _compile({"dp": 2}, compile=True)
+    with pytest.raises(PlanError, match="compile must be True or False"):
+        _compile({"dp": 2}, compile="yes")
 
 
 def test_casts_sit_in_the_module_that_owns_the_parameter_and_are_printed() -> None:

@@ -57,8 +57,10 @@ def test_zero1_ledger_is_the_optimum_and_memory_the_formula() -> None:
     by_op = {op: sum(r.bytes for r in rows if r.op == op) for op in {r.op for r in rows}}
     assert by_op == {"all_gather": psi, "reduce_scatter": psi}
     assert all(r.phase == "fwd" for r in rows if r.op == "all_gather")
-    params = dict(model.named_parameters())
-    assert len([r for r in rows if r.op == "all_gather"]) == len(params)
+    # one flat all-gather and one flat reduce-scatter per block (FSDP2's groups), plus the root's parameters
+    layers = model.config.num_hidden_layers
+    for op in ("all_gather", "reduce_scatter"):
+        assert layers <= len([r for r in rows if r.op == op]) <= layers + 2
     mem = pm.memory(1)
     assert mem.optimizer == 2 * psi // dp  # 8 Psi / N in elements of 4 bytes
     assert mem.params == psi + psi // dp and mem.grads == psi + psi // dp  # working copies + shards

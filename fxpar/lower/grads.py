@@ -35,17 +35,23 @@ class StepCollectives:
             return None
         with self.into(fx.Graph(), phase="fwd") as graph:
             dp = self.mesh.axes["dp"]
-            results = []
+            shards = {}
             for fqn, name in self._zero_params():
-                d = self.zero[fqn]
                 val = self.prog.node(name).meta["val"]
                 shape = self.split.local_shape(val.shape, self.prog.placements[name], self.coord)
-                shape[d] //= dp
-                ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
+                shape[self.zero[fqn]] //= dp
+                shards[fqn] = ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
                 with self.fake:
                     ph.meta["val"] = torch.empty(shape, dtype=val.dtype)
-                results.append(self.gather(ph, d, dp, self.group("dp"), "dp", None, fqn, contiguous=True))
-            self.graph.output(tuple(results))
+            results = {}
+            for bucket in self.zero_buckets(list(shards)):
+                if len(bucket) == 1:
+                    fqn = bucket[0]
+                    results[fqn] = self.gather(shards[fqn], self.zero[fqn], dp, self.group("dp"), "dp", None, fqn,
+                                               contiguous=True)
+                else:
+                    results.update(self.gather_bucket([(fqn, shards[fqn]) for fqn in bucket]))
+            self.graph.output(tuple(results[fqn] for fqn in shards))
         return graph
 
     def defer_dp_reduction(self, pos: int, producer: str, dst: Placements, steps: tuple[Step, ...]
@@ -80,10 +86,12 @@ class StepCollectives:
             for axis in (a for a in self.mesh.names if a in BATCH_AXES):  # dp, then ep: each sums its own partial
                 reduced = {fqn: results[fqn] for fqn in placeholders if axis in self.deferred_axes[fqn]}
                 for bucket in self.buckets(reduced):
-                    if bucket[0] in self.zero:  # ZeRO: each rank keeps the reduced shard its parameter shard needs
+                    if bucket[0] in self.zero and len(bucket) == 1:  # ZeRO: each rank keeps its parameter's shard
                         results[bucket[0]] = self.scatter(results[bucket[0]], self.zero[bucket[0]],
                                                           self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
                                                           contiguous=True, zero_shard=True)
+                    elif bucket[0] in self.zero:  # one flat reduce-scatter of the bucket (``fxpar.lower.flat``)
+                        results.update(self.scatter_bucket([(fqn, results[fqn]) for fqn in bucket]))
                     else:
                         results.update(self.all_reduce_bucket([(fqn, results[fqn]) for fqn in bucket], axis))
             self.graph.output(tuple(self._cast(results[fqn], placeholders[fqn].meta["val"].dtype, fqn)
@@ -101,12 +109,12 @@ class StepCollectives:
         return self.emit(aten._to_copy.default, (x,), {"dtype": dtype}, module=fqn)
 
     def buckets(self, placeholders: dict[str, fx.Node]) -> list[list[str]]:
-        """The gradients this graph reduces, one collective per list: a ZeRO shard's reduce-scatter alone, then
-        the overlap pass's buckets of all-reduced ones (without it, one all-reduce per gradient, in order)."""
+        """The gradients this graph reduces, one collective per list: the overlap pass's buckets of ZeRO shards
+        (reduce-scattered), then of all-reduced ones (without it, one collective per gradient, in order)."""
         planned = self.prog.notes.get("overlap", {}).get("buckets")
         if planned is None:
             return [[fqn] for fqn in placeholders]
-        return [[fqn] for fqn in placeholders if fqn in self.zero] + [
+        return self.zero_buckets([fqn for fqn in placeholders if fqn in self.zero]) + [
             kept for bucket in planned if (kept := [fqn for fqn in bucket if fqn in placeholders])]
 
     def all_reduce_bucket(self, grads: list[tuple[str, fx.Node]], axis: str = BATCH_AXIS) -> dict[str, fx.Node]:

@@ -21,6 +21,7 @@ from fxpar.lower.collectives import CollectiveEmitter
 from fxpar.lower.context import CAUSAL_ATTENTION, ContextMask
 from fxpar.lower.emit import Site
 from fxpar.lower.experts import EXPERT_AXIS, ExpertLowering
+from fxpar.lower.flat import FlatBuckets
 from fxpar.lower.grads import StepCollectives
 from fxpar.lower.program import RankProgram
 from fxpar.lower.shapes import LocalShapes, localize
@@ -47,7 +48,7 @@ class _LazyEnv(dict):
         return value
 
 
-class Lowerer(CollectiveEmitter, StepCollectives, ContextMask):
+class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
     """Retraces the global program for one rank (``retrace``) and builds its once-per-step graphs."""
 
     def __init__(self, prog: Program, rank: int) -> None:

@@ -1,0 +1,90 @@
+"""Flat ZeRO buckets (a mixin of ``fxpar.lower.retrace.Lowerer``): one collective per bucket of dp shards.
+
+FSDP2 gathers and reduce-scatters one flat buffer per parameter group; so does fxpar per ``zero_buckets`` bucket
+(``passes/overlap.py``: backward order, cut at ``bucket_mb`` and at every change of repeated block). Parameter ``p``
+is sharded over dp on dim ``d`` (which dp divides), so moving ``d`` to the front and viewing ``p`` as ``[n, k]``
+(``n`` = dp, ``k`` = its shard's elements) puts rank ``r``'s shard in row ``r``. A bucket is the row-wise
+concatenation ``[n, sum k]``: rank ``r``'s row is its shards back to back, the layout both
+``all_gather_into_tensor`` (of the rows) and ``reduce_scatter_tensor`` (into them) work on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+class FlatBuckets:
+    """The methods ``Lowerer`` uses for flat ZeRO buckets (state lives on the lowerer)."""
+
+    def zero_buckets(self, fqns: list[str]) -> list[list[str]]:
+        """``fqns`` (ZeRO shards) as the overlap pass bucketed them; one per bucket otherwise (no overlap)."""
+        planned = self.prog.notes.get("overlap", {}).get("zero_buckets")
+        if not planned:
+            return [[fqn] for fqn in fqns]
+        wanted = set(fqns)
+        out = [kept for bucket in planned if (kept := [fqn for fqn in bucket if fqn in wanted])]
+        covered = {fqn for bucket in out for fqn in bucket}
+        return out + [[fqn] for fqn in fqns if fqn not in covered]
+
+    def _bucket_name(self, fqns: list[str]) -> str:
+        return fqns[0] if len(fqns) == 1 else f"bucket of {len(fqns)}: {fqns[0]} .. {fqns[-1]}"
+
+    def _rows(self, x: fx.Node, d: int, n: int, module: str) -> fx.Node:
+        """``x`` with dim ``d`` moved to the front, as ``[n, -1]`` (row ``r``: the piece rank ``r`` holds)."""
+        x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
+        return self.emit(aten.reshape.default, (x0, [n, -1]), module=module)
+
+    def _unrow(self, rows: fx.Node, start: int, like: list[int], d: int, module: str) -> fx.Node:
+        """Columns ``start:`` of ``rows`` (``[m, total]``) as a tensor of shape ``like`` (dim ``d`` first, m rows
+        of it stacked), moved back to dim ``d`` and made contiguous."""
+        k = 1
+        for s in like[1:]:
+            k *= s
+        k *= like[0] // rows.meta["val"].shape[0]
+        piece = self.emit(aten.slice.Tensor, (rows, 1, start, start + k), module=module)
+        y = self.emit(aten.reshape.default, (piece, like), module=module)
+        if d:
+            y = self.emit(aten.movedim.int, (y, 0, d), module=module)
+        return self.emit(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, module=module)
+
+    def scatter_bucket(self, grads: list[tuple[str, fx.Node]]) -> dict[str, fx.Node]:
+        """One reduce-scatter over dp of the whole gradients ``grads``: each rank keeps its ZeRO shard of each."""
+        n, fqns = self.mesh.axes["dp"], [fqn for fqn, _ in grads]
+        module = self._bucket_name(fqns)
+        rows = [self._rows(g, self.zero[fqn], n, fqn) for fqn, g in grads]
+        buf = self.emit(aten.cat.default, (rows, 1), module=module) if len(rows) > 1 else rows[0]
+        y = self.emit(c10d.reduce_scatter_tensor.default, (buf, "sum", n, self.group("dp")), module=module,
+                      name=f"bucket_{grads[0][1].name}_reducescatter")
+        self.record("reduce_scatter", "dp", buf.meta["val"], y)
+        mine = self.emit(c10d.wait_tensor.default, (y,), module=module, name=f"bucket_{grads[0][1].name}_scattered")
+        out, start = {}, 0
+        for (fqn, g), row in zip(grads, rows, strict=True):
+            d = self.zero[fqn]
+            shape = list(g.meta["val"].shape)
+            like = [shape[d] // n, *shape[:d], *shape[d + 1:]]
+            out[fqn] = self._unrow(mine, start, like, d, fqn)
+            start += row.meta["val"].shape[1]
+        return out
+
+    def gather_bucket(self, shards: list[tuple[str, fx.Node]]) -> dict[str, fx.Node]:
+        """One all-gather over dp of the ZeRO shards ``shards``: each parameter whole (tp-local), contiguous."""
+        n, fqns = self.mesh.axes["dp"], [fqn for fqn, _ in shards]
+        module = self._bucket_name(fqns)
+        rows = [self._rows(s, self.zero[fqn], 1, fqn) for fqn, s in shards]
+        buf = self.emit(aten.cat.default, (rows, 1), module=module) if len(rows) > 1 else rows[0]
+        c = self.emit(c10d.all_gather_into_tensor.default, (buf, n, self.group("dp")), module=module,
+                      name=f"bucket_{shards[0][1].name}_allgather")
+        gathered = self.emit(c10d.wait_tensor.default, (c,), module=module, name=f"bucket_{shards[0][1].name}_gathered")
+        self.record("all_gather", "dp", gathered.meta["val"], c)
+        out, start = {}, 0
+        for (fqn, s), row in zip(shards, rows, strict=True):
+            d = self.zero[fqn]
+            shape = list(s.meta["val"].shape)
+            like = [shape[d] * n, *shape[:d], *shape[d + 1:]]
+            out[fqn] = self._unrow(gathered, start, like, d, fqn)
+            start += row.meta["val"].shape[1]
+        return out
