@@ -138,7 +138,8 @@ def test_zero3_ledger_gathers_at_each_use_and_again_in_backward() -> None:
     rows = [r for r in pm.ledger(1) if r.axis == "dp"]
     fwd = [r for r in rows if r.op == "all_gather" and r.phase == "fwd"]
     bwd = [r for r in rows if r.op == "all_gather" and r.phase == "bwd"]
-    assert sum(r.bytes for r in fwd) == m * psi and len(fwd) == m * len(params)
+    layers = model.config.num_hidden_layers  # one flat all-gather per block, plus the root's parameters (FSDP2's)
+    assert sum(r.bytes for r in fwd) == m * psi and m * layers <= len(fwd) <= m * (layers + 2)
     # the embedding's backward is a scatter-add of the output gradient: it never reads the table
     table = params["model.embed_tokens.weight"]
     assert sum(r.bytes for r in bwd) == m * (psi - table.numel() * table.element_size())

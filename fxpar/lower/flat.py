@@ -1,5 +1,9 @@
 """Flat ZeRO buckets (a mixin of ``fxpar.lower.retrace.Lowerer``): one collective per bucket of dp shards.
 
+ZeRO-1/2's once-per-step ``gather_params`` and every ZeRO level's gradient reduce-scatter move one flat buffer per
+bucket; under ZeRO-3 the first use of any parameter of a bucket gathers the whole bucket (in the forward, and again
+where the backward reads one), except weights cast on their shard (fp8, mixed precision), gathered as the cast.
+
 FSDP2 gathers and reduce-scatters one flat buffer per parameter group; so does fxpar per ``zero_buckets`` bucket
 (``passes/overlap.py``: backward order, cut at ``bucket_mb`` and at every change of repeated block). Parameter ``p``
 is sharded over dp on dim ``d`` (which dp divides), so moving ``d`` to the front and viewing ``p`` as ``[n, k]``
@@ -12,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+
+from fxpar.passes.overlap import block_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -30,8 +36,34 @@ class FlatBuckets:
         covered = {fqn for bucket in out for fqn in bucket}
         return out + [[fqn] for fqn in fqns if fqn not in covered]
 
+    def zero3_bucket(self, fqn: str) -> list[str]:
+        """ZeRO-3: the parameters gathered together with ``fqn`` in the forward (its bucket, less the weights cast on
+        their shard and gathered as the cast value: ``notes["cast_gather"]``, ``notes["fp8_gather"]``)."""
+        cast = {*self.prog.notes.get("cast_gather", ()), *self.prog.notes.get("fp8_gather", ())}
+        if fqn in cast:
+            return [fqn]
+        plain = [f for f, _ in self._zero_params() if f not in cast]
+        return next((b for b in self.zero_buckets(plain) if fqn in b), [fqn])
+
+    def gathered_in_bucket(self, fqn: str, bucket: list[str]) -> fx.Node:
+        """``fqn``'s gathered value; the first call gathers all of ``bucket`` (the others' lazy values then resolve
+        to their pieces)."""
+        names = dict(self._zero_params())
+        if fqn not in self.bucket_gathered:
+            pieces = self.gather_bucket([(f, self.shards[names[f]]) for f in bucket])
+            for f, node in pieces.items():
+                node.meta["placements"] = self.prog.placements[names[f]]
+            self.bucket_gathered.update(pieces)
+        return self.bucket_gathered[fqn]
+
     def _bucket_name(self, fqns: list[str]) -> str:
-        return fqns[0] if len(fqns) == 1 else f"bucket of {len(fqns)}: {fqns[0]} .. {fqns[-1]}"
+        """The module a bucket's collective is attributed to: its block (``layers.3``), else what it holds."""
+        if len(fqns) == 1:
+            return fqns[0]
+        blocks = {block_of(fqn) for fqn in fqns}
+        if len(blocks) == 1 and "" not in blocks:
+            return blocks.pop()
+        return f"bucket of {len(fqns)}: {fqns[0]} .. {fqns[-1]}"
 
     def _rows(self, x: fx.Node, d: int, n: int, module: str) -> fx.Node:
         """``x`` with dim ``d`` moved to the front, as ``[n, -1]`` (row ``r``: the piece rank ``r`` holds)."""

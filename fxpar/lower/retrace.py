@@ -75,6 +75,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         self.zero3 = prog.notes.get("zero_level", 0) == 3
         self.param_fqn = {name: fqn for fqn, name in sig.params}
         self.shards: dict[str, fx.Node] = {}  # ZeRO-3: each parameter's dp-shard placeholder, by graph name
+        self.bucket_gathered: dict[str, fx.Node] = {}  # ZeRO-3: gathered parameters of the buckets gathered so far
         self.recompute: frozenset[str] = prog.notes.get("recompute", frozenset())
         self.experts = ExpertLowering(self) if self.mesh.axes.get(EXPERT_AXIS, 1) > 1 else None
 
@@ -186,7 +187,8 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
     def zero3_shard(self, name: str, ph: fx.Node) -> None:
         """ZeRO-3: the placeholder takes this rank's dp shard; its all-gather is emitted at the first use.
 
-        A tied weight's second placeholder uses the first one's gathered value.
+        A tied weight's second placeholder uses the first one's gathered value. With overlap's ``zero_buckets``, the
+        first use of any parameter of a bucket gathers the whole bucket at once (FSDP2's group per block).
         """
         fqn = self.param_fqn[name]
         first = next(n for f, n in self.prog.signature.params if f == fqn)
@@ -206,7 +208,11 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         placements[self.mesh.axis_index("dp")] = Shard(d)
         ph.meta.update(placements=tuple(placements), zero3_shard=True)
         after = self.prog.placements[name]
-        self.env.lazy[name] = lambda: self.gather(ph, d, dp, self.group("dp"), "dp", after, fqn, contiguous=True)
+        bucket = self.zero3_bucket(fqn)
+        if len(bucket) > 1:  # the first use gathers the whole bucket in one flat all-gather (``fxpar.lower.flat``)
+            self.env.lazy[name] = lambda: self.gathered_in_bucket(fqn, bucket)
+        else:
+            self.env.lazy[name] = lambda: self.gather(ph, d, dp, self.group("dp"), "dp", after, fqn, contiguous=True)
 
     def get_attr(self, node: fx.Node) -> None:
         value = getattr(self.prog.gm, node.target)
