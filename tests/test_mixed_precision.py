@@ -110,3 +110,11 @@ def test_pipeline_dp_matches_the_single_device_casts() -> None:
     plan = fxpar.Plan(stages=2, microbatches=2, schedule="1f1b", **MIXED)
     assert_equivalent(partial(llama, n_layers=2), {"pp": 2, "dp": 2}, plan, (TOKENS,), steps=2,
                       loss_fn=next_token_loss, targets=TOKENS)
+
+
+def test_hf_gemma2_dp2_tp2_zero3_matches_the_single_device_casts() -> None:
+    # a Hugging Face model's own dtype handling (Gemma's embedding scale and soft-capping, its fp32 RMSNorm)
+    from fxpar.models import hf_families
+
+    plan = fxpar.Plan(tp="hf", zero=3, **MIXED)
+    assert_equivalent(hf_families.gemma2, {"dp": 2, "tp": 2}, plan, hf_families.inputs("gemma2", seed=1), steps=2)
