@@ -70,8 +70,10 @@ def test_zero3_gathers_bf16_and_reduces_in_reduce_dtype() -> None:
         scatters = [r for r in rows if r.op == "reduce_scatter"]
         assert gathers and all(r.dtype == BF16 for r in gathers)
         assert scatters and all(r.dtype == (reduce_dtype or BF16) for r in scatters)
-        # every parameter gathered whole once in the forward (and again in the backward), in 2 bytes
-        assert sum(r.bytes for r in gathers if r.phase == "fwd") == 2 * psi
+        # every parameter gathered whole once in the forward (and again in the backward), in 2 bytes, one flat
+        # all-gather per block (the casts of its weights) plus the root's parameters
+        fwd = [r for r in gathers if r.phase == "fwd"]
+        assert sum(r.bytes for r in fwd) == 2 * psi and len(fwd) <= 2 + 2
         assert sum(r.bytes for r in scatters) == grad_bytes * psi
     assert all(r.op not in ("all_reduce", "reduce_scatter") or r.dtype == FP32
                for r in _compile({"dp": 2}, **MIXED).ledger(0) if r.axis == "dp")

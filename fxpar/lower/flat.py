@@ -2,7 +2,9 @@
 
 ZeRO-1/2's once-per-step ``gather_params`` and every ZeRO level's gradient reduce-scatter move one flat buffer per
 bucket; under ZeRO-3 the first use of any parameter of a bucket gathers the whole bucket (in the forward, and again
-where the backward reads one), except weights cast on their shard (fp8, mixed precision), gathered as the cast.
+where the backward reads one). Under mixed precision the bucket's casts (each run on its shard by the
+``mixed_precision`` pass) are lowered together where the first is read whole, and their values gathered in one flat
+``param_dtype`` buffer; fp8 weights are gathered one by one, as float8.
 
 FSDP2 gathers and reduce-scatters one flat buffer per parameter group; so does fxpar per ``zero_buckets`` bucket
 (``passes/overlap.py``: backward order, cut at ``bucket_mb`` and at every change of repeated block). Parameter ``p``
@@ -55,6 +57,52 @@ class FlatBuckets:
                 node.meta["placements"] = self.prog.placements[names[f]]
             self.bucket_gathered.update(pieces)
         return self.bucket_gathered[fqn]
+
+    def cast_weights(self) -> dict[str, tuple[str, str]]:
+        """ZeRO-3 under mixed precision: the cast node of each weight cast on its shard -> (fqn, placeholder), for
+        weights with one placeholder and one cast (a tied weight keeps its own gathers)."""
+        if self._cast_weights is None:
+            self._cast_weights = {}
+            dtype = self.prog.notes.get("mixed_precision", (None, None))[0]
+            names: dict[str, list[str]] = {}
+            for f, name in self.prog.signature.params:
+                names.setdefault(f, []).append(name)
+            for fqn in self.prog.notes.get("cast_gather", ()):
+                if len(names[fqn]) != 1:
+                    continue
+                node = self.prog.node(names[fqn][0])
+                casts = [u for u in node.users if u.target is aten._to_copy.default and u.kwargs.get("dtype") is dtype]
+                if len(casts) == 1:
+                    self._cast_weights[casts[0].name] = (fqn, node.name)
+        return self._cast_weights
+
+    def gathered_cast(self, producer: str, dst: tuple, steps: tuple) -> fx.Node | None:
+        """The dp all-gather of a ZeRO-3 weight's cast (``producer``), served from one flat all-gather of the casts
+        of its whole bucket (emitted here, before their own place in the graph); None where that does not apply."""
+        cached = self.cache.get((producer, dst))
+        if cached is not None or producer not in self.cast_weights():
+            return cached
+        if len(steps) != 1 or steps[0].op != "all_gather" or steps[0].axis != "dp":
+            return None
+        fqn = self.cast_weights()[producer][0]
+        by_fqn = {f: c for c, (f, _) in self.cast_weights().items()}
+        bucket = next((b for b in self.zero_buckets(list(by_fqn)) if fqn in b), [fqn])
+        if len(bucket) < 2:
+            return None
+        ax = self.mesh.axis_index("dp")
+        for f in bucket:
+            cast = self.prog.node(by_fqn[f])
+            if cast.name not in self.env:  # lowered here, ahead of its place (``call`` then skips it)
+                shard = self.shards[self.cast_weights()[cast.name][1]]
+                self.env[cast.name] = self.emit(aten._to_copy.default, (shard,), dict(cast.kwargs),
+                                                placements=self.prog.placements[cast.name], module=f, name=cast.name)
+        pieces = self.gather_bucket([(f, self.env[by_fqn[f]]) for f in bucket])
+        for f, piece in pieces.items():
+            placed = list(self.prog.placements[by_fqn[f]])
+            placed[ax] = steps[0].dst
+            piece.meta["placements"] = tuple(placed)
+            self.cache[(by_fqn[f], tuple(placed))] = piece
+        return self.cache.get((producer, dst))
 
     def _bucket_name(self, fqns: list[str]) -> str:
         """The module a bucket's collective is attributed to: its block (``layers.3``), else what it holds."""

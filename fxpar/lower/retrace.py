@@ -76,6 +76,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         self.param_fqn = {name: fqn for fqn, name in sig.params}
         self.shards: dict[str, fx.Node] = {}  # ZeRO-3: each parameter's dp-shard placeholder, by graph name
         self.bucket_gathered: dict[str, fx.Node] = {}  # ZeRO-3: gathered parameters of the buckets gathered so far
+        self._cast_weights: dict[str, tuple[str, str]] | None = None  # ZeRO-3 + mixed precision (``FlatBuckets``)
         self.recompute: frozenset[str] = prog.notes.get("recompute", frozenset())
         self.experts = ExpertLowering(self) if self.mesh.axes.get(EXPERT_AXIS, 1) > 1 else None
 
@@ -223,7 +224,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         self.env[node.name] = new
 
     def call(self, node: fx.Node, plan: dict, module: str) -> None:
-        if node.target in DROPPED:
+        if node.target in DROPPED or node.name in self.env:  # dropped, or lowered early (``FlatBuckets``)
             return
         placements = self.prog.placements.get(node.name)
         recompute = node.name in self.recompute
@@ -264,7 +265,8 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
                 out[arg.name] = self.shards[arg.name]
             else:
                 producer, dst, steps = planned
-                out[arg.name] = self.redistribute(producer, dst, steps, module)
+                out[arg.name] = self.gathered_cast(producer, dst, steps) or self.redistribute(producer, dst, steps,
+                                                                                             module)
         for a in node.all_input_nodes:
             if a.name not in out:
                 out[a.name] = self.env[a.name]
