@@ -75,3 +75,11 @@ def test_compiled_graph_returns_what_the_graph_returns() -> None:
         got, want = run(a, b), gm(a, b)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_pipeline_with_zero1_full_recompute_and_mixed_precision() -> None:
+    # full recompute tags nodes in their meta: torch's own "recompute" key must not be taken (Inductor reads it)
+    plan = fxpar.Plan(stages=2, microbatches=2, zero=1, recompute="full", compile=True,
+                      param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert_equivalent(partial(llama, n_layers=2), {"pp": 2, "dp": 2}, plan, (TOKENS,), steps=2,
+                      loss_fn=next_token_loss, targets=TOKENS)

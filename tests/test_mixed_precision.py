@@ -120,3 +120,11 @@ def test_hf_gemma2_dp2_tp2_zero3_matches_the_single_device_casts() -> None:
 
     plan = fxpar.Plan(tp="hf", zero=3, **MIXED)
     assert_equivalent(hf_families.gemma2, {"dp": 2, "tp": 2}, plan, hf_families.inputs("gemma2", seed=1), steps=2)
+
+
+def test_fp16_and_tied_weights_match_the_single_device_casts() -> None:
+    assert_equivalent(partial(llama, n_layers=2), {"dp": 2}, fxpar.Plan(zero=3, param_dtype=torch.float16),
+                      (TOKENS,), steps=2)
+    plan = fxpar.Plan(tp=llama_plan(), zero=3, **MIXED)  # the tied table cast twice (embedding, head)
+    assert_equivalent(partial(llama, n_layers=2, tie_embeddings=True), {"dp": 2, "tp": 2}, plan, (TOKENS,),
+                      steps=2)

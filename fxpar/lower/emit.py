@@ -73,7 +73,7 @@ class Emitter:
         node.meta.update(placements=placements, module=module, phase=site.phase, source=site.source)
         node.meta["for_node"] = site.for_node
         if site.recompute:
-            node.meta["recompute"] = True
+            node.meta["fxpar_recompute"] = True
         return node
 
     def fake_value(self, target: Any, args: tuple, kwargs: dict) -> Any:

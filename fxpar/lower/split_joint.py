@@ -15,7 +15,7 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
 
     A forward value computed from ZeRO-3 parameter shards alone (their all-gather, a transpose of the
     gathered weight) is not saved: the backward recomputes it from the shards (FSDP's re-gather). So
-    is every node the ``recompute`` pass chose (``meta["recompute"]``, with the collectives lowering
+    is every node the ``recompute`` pass chose (``meta["fxpar_recompute"]``, with the collectives lowering
     emitted for it). Recomputed copies carry ``meta["recomputed"]``.
     """
     out_node = joint.graph.output_node()
@@ -25,7 +25,7 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     benv: dict[fx.Node, fx.Node] = {}
     saved: list[fx.Node] = []
 
-    from_shards = from_zero3_shards(joint.graph) | {n for n in joint.graph.nodes if n.meta.get("recompute")}
+    from_shards = from_zero3_shards(joint.graph) | {n for n in joint.graph.nodes if n.meta.get("fxpar_recompute")}
 
     def bwd_arg(n: fx.Node) -> fx.Node:
         if n not in benv and n in from_shards:  # recompute it in the backward instead of saving it
