@@ -126,7 +126,7 @@ def _check_expert(plan: Plan, axes: dict[str, int], have: str) -> None:
     if other:
         raise PlanError(f"an ep axis with {' and '.join(repr(a) for a in other)} ({have}) is not supported yet; "
                         "ep composes with dp and tp")
-    for name, value in (("zero", plan.zero), ("fp8", plan.fp8), ("sequence_parallel", plan.sequence_parallel)):
+    for name, value in (("fp8", plan.fp8), ("sequence_parallel", plan.sequence_parallel)):
         if value:
             raise PlanError(f"Plan({name}={value!r}) with an ep axis ({have}) is not supported yet")
 

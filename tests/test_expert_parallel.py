@@ -195,10 +195,20 @@ def test_ep_that_does_not_divide_the_experts() -> None:
         _compile({"ep": 3}, batch=6)
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_with_ep_matches_single_device(zero: int) -> None:
+    # ZeRO shards dense and expert parameters over dp; a dense gradient is reduce-scattered over dp, then its shard
+    # all-reduced over ep (the ep ranks hold the same dense parameters and saw other tokens)
+    pm = _compile({"dp": 2, "ep": 2}, plan=fxpar.Plan(zero=zero))
+    assert {r.op for r in pm.ledger(0) if r.axis == "ep"} == {"all_to_all", "all_reduce"}
+    assert_equivalent(hf_families.mixtral, {"dp": 2, "ep": 2}, fxpar.Plan(zero=zero),
+                      hf_families.inputs("mixtral", seed=1), steps=2)
+
+
 @pytest.mark.parametrize("axes,plan,match", [
     ({"pp": 2, "ep": 2}, None, "ep axis with 'pp'"),
     ({"cp": 2, "ep": 2}, None, "ep axis with 'cp'"),
-    ({"dp": 2, "ep": 2}, fxpar.Plan(zero=1), r"Plan\(zero=1\) with an ep axis"),
+    ({"dp": 2, "ep": 2}, fxpar.Plan(fp8="tensorwise"), r"Plan\(fp8='tensorwise'\) with an ep axis"),
 ])
 def test_what_ep_does_not_compose_with_yet(axes: dict[str, int], plan: object, match: str) -> None:
     with pytest.raises(fxpar.PlanError, match=match):

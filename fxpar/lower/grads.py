@@ -86,14 +86,14 @@ class StepCollectives:
             for axis in (a for a in self.mesh.names if a in BATCH_AXES):  # dp, then ep: each sums its own partial
                 reduced = {fqn: results[fqn] for fqn in placeholders if axis in self.deferred_axes[fqn]}
                 for bucket in self.buckets(reduced):
-                    if bucket[0] in self.zero and len(bucket) == 1:  # ZeRO: each rank keeps its parameter's shard
+                    if bucket[0] not in self.zero or axis != "dp":  # (ep sums a ZeRO shard: an all-reduce of it)
+                        results.update(self.all_reduce_bucket([(fqn, results[fqn]) for fqn in bucket], axis))
+                    elif len(bucket) == 1:  # ZeRO: each rank keeps its parameter's shard
                         results[bucket[0]] = self.scatter(results[bucket[0]], self.zero[bucket[0]],
                                                           self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
                                                           contiguous=True, zero_shard=True)
-                    elif bucket[0] in self.zero:  # one flat reduce-scatter of the bucket (``fxpar.lower.flat``)
+                    else:  # one flat reduce-scatter of the bucket (``fxpar.lower.flat``)
                         results.update(self.scatter_bucket([(fqn, results[fqn]) for fqn in bucket]))
-                    else:
-                        results.update(self.all_reduce_bucket([(fqn, results[fqn]) for fqn in bucket], axis))
             self.graph.output(tuple(self._cast(results[fqn], placeholders[fqn].meta["val"].dtype, fqn)
                                     for _, fqn, _ in self.deferred))
         return graph
