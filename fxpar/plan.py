@@ -122,10 +122,8 @@ def _check_axes(plan: Plan, axes: dict[str, int]) -> None:
 
 def _check_expert(plan: Plan, axes: dict[str, int], have: str) -> None:
     """What an ep axis does not compose with yet."""
-    other = [a for a in ("pp", "cp") if axes.get(a, 1) > 1]
-    if other:
-        raise PlanError(f"an ep axis with {' and '.join(repr(a) for a in other)} ({have}) is not supported yet; "
-                        "ep composes with dp and tp")
+    if axes.get("cp", 1) > 1:
+        raise PlanError(f"an ep axis with 'cp' ({have}) is not supported yet; ep composes with dp, tp, pp and ZeRO")
     for name, value in (("fp8", plan.fp8), ("sequence_parallel", plan.sequence_parallel)):
         if value:
             raise PlanError(f"Plan({name}={value!r}) with an ep axis ({have}) is not supported yet")
@@ -133,9 +131,6 @@ def _check_expert(plan: Plan, axes: dict[str, int], have: str) -> None:
 
 def _check_context(plan: Plan, axes: dict[str, int], have: str) -> None:
     """What a cp axis does not compose with yet."""
-    if plan.sequence_parallel:
-        raise PlanError(f"Plan(sequence_parallel=True) and a cp axis ({have}) both shard the sequence dim; "
-                        "use one of them")
     if plan.fp8:
         raise PlanError(f"Plan(fp8=...) with a cp axis ({have}) is not supported yet")
 

@@ -205,8 +205,16 @@ def test_zero_with_ep_matches_single_device(zero: int) -> None:
                       hf_families.inputs("mixtral", seed=1), steps=2)
 
 
+def test_pipeline_with_ep_matches_single_device() -> None:
+    # each stage routes its own MoE layers over its ep group; the boundary activation is sent over pp
+    ids = hf_families.inputs("mixtral", seed=1)[0]
+    pm = _compile({"pp": 2, "ep": 2}, plan=fxpar.Plan(stages=2, microbatches=2))
+    assert {(r.op, r.axis) for r in pm.ledger(0)} >= {("send", "pp"), ("all_to_all", "ep")}
+    assert_equivalent(hf_families.mixtral, {"pp": 2, "ep": 2}, fxpar.Plan(stages=2, microbatches=2), (ids,),
+                      steps=2, loss_fn=_token_loss, targets=ids)
+
+
 @pytest.mark.parametrize("axes,plan,match", [
-    ({"pp": 2, "ep": 2}, None, "ep axis with 'pp'"),
     ({"cp": 2, "ep": 2}, None, "ep axis with 'cp'"),
     ({"dp": 2, "ep": 2}, fxpar.Plan(fp8="tensorwise"), r"Plan\(fp8='tensorwise'\) with an ep axis"),
 ])
