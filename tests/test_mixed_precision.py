@@ -128,3 +128,14 @@ def test_fp16_and_tied_weights_match_the_single_device_casts() -> None:
     plan = fxpar.Plan(tp=llama_plan(), zero=3, **MIXED)  # the tied table cast twice (embedding, head)
     assert_equivalent(partial(llama, n_layers=2, tie_embeddings=True), {"dp": 2, "tp": 2}, plan, (TOKENS,),
                       steps=2)
+
+
+def test_zero2_gathers_the_working_copy_in_bf16_and_matches() -> None:
+    # a parameter read only through its cast crosses the wire in bf16 and is cast back: the forward's cast of
+    # that working copy is the cast of the master weight, value for value
+    psi = _local_elements(llama(n_layers=2), tp=2)
+    pm = _compile({"dp": 2, "tp": 2}, zero=2, **MIXED)
+    gathers = [r for r in pm.ledger(0) if r.axis == "dp" and r.op == "all_gather"]
+    assert {r.dtype for r in gathers} == {BF16} and sum(r.bytes for r in gathers) == 2 * psi
+    assert_equivalent(partial(llama, n_layers=2), {"dp": 2}, fxpar.Plan(zero=2, microbatches=2, **MIXED), (TOKENS,),
+                      steps=2)

@@ -15,6 +15,7 @@ from fxpar.ir import Placements, Step, py_name
 from fxpar.split import BATCH_AXES, BATCH_AXIS
 
 aten = torch.ops.aten
+_CHECKS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}  # dropped by lowering: not reads
 c10d = torch.ops._c10d_functional
 
 
@@ -30,7 +31,10 @@ class StepCollectives:
         return list(first.items())
 
     def gather_params_graph(self) -> fx.Graph | None:
-        """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters (fqn order)."""
+        """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters (fqn order), in
+        flat buckets; under mixed precision a parameter only ever read through its cast to ``param_dtype`` is gathered
+        in ``param_dtype`` and cast back (FSDP2's bytes; the forward's cast of the working copy gives the same
+        values as casting the master weight)."""
         if not self.zero or self.zero3:
             return None
         with self.into(fx.Graph(), phase="fwd") as graph:
@@ -44,15 +48,28 @@ class StepCollectives:
                 with self.fake:
                     ph.meta["val"] = torch.empty(shape, dtype=val.dtype)
             results = {}
-            for bucket in self.zero_buckets(list(shards)):
-                if len(bucket) == 1:
-                    fqn = bucket[0]
-                    results[fqn] = self.gather(shards[fqn], self.zero[fqn], dp, self.group("dp"), "dp", None, fqn,
-                                               contiguous=True)
-                else:
-                    results.update(self.gather_bucket([(fqn, shards[fqn]) for fqn in bucket]))
-            self.graph.output(tuple(results[fqn] for fqn in shards))
+            compute = self.prog.notes.get("mixed_precision", (None, None))[0]
+            for whole in self.zero_buckets(list(shards)):
+                cast_only = [fqn for fqn in whole if compute is not None and self._read_only_as(fqn, compute)]
+                for bucket in (cast_only, [fqn for fqn in whole if fqn not in cast_only]):
+                    moved = {fqn: self._cast(shards[fqn], compute, fqn) if fqn in cast_only else shards[fqn]
+                             for fqn in bucket}
+                    if len(bucket) == 1:
+                        fqn = bucket[0]
+                        results[fqn] = self.gather(moved[fqn], self.zero[fqn], dp, self.group("dp"), "dp", None,
+                                                   fqn, contiguous=True)
+                    elif bucket:
+                        results.update(self.gather_bucket(list(moved.items())))
+            self.graph.output(tuple(self._cast(results[fqn], shards[fqn].meta["val"].dtype, fqn) for fqn in shards))
         return graph
+
+    def _read_only_as(self, fqn: str, dtype: torch.dtype) -> bool:
+        """Mixed precision: whether every read of parameter ``fqn`` in the step is its cast to ``dtype`` (then its
+        working copy may cross the wire in ``dtype``: cast, gathered and cast back, the casts read the same values)."""
+        names = [name for f, name in self.prog.signature.params if f == fqn]
+        users = [u for name in names for u in self.prog.node(name).users if u.target not in _CHECKS]
+        return bool(users) and all(u.target is aten._to_copy.default and u.kwargs.get("dtype") is dtype
+                                   and set(u.kwargs) == {"dtype"} for u in users)
 
     def defer_dp_reduction(self, pos: int, producer: str, dst: Placements, steps: tuple[Step, ...]
                            ) -> tuple[Placements, tuple[Step, ...]]:
