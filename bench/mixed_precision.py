@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from common import bench_args, interleaved_step_times, markdown_table, publish_gloo_run, ratio, step_time_table
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from zero import BATCH, CONFIG, DP, ROUNDS, SEQ, STEPS, WARMUP, Counter, _eager_step, next_token_loss
+from zero import BATCH, CONFIG, DP, ROUNDS, SEQ, STEPS, WARMUP, Counter, _eager_step, counted_warm_up, next_token_loss
 
 import fxpar
 from fxpar.models.llama import Llama, LlamaConfig
@@ -72,15 +72,7 @@ def rank_main() -> dict[str, Any]:
     runs = {name: build(name, model, tokens) for name in SYSTEMS}
     out: dict[str, Any] = {}
     for name, (step, opt, holder) in runs.items():
-        first = None
-        for i in range(WARMUP + 1):
-            counter.on, counter.bytes = i == WARMUP, {}
-            opt.zero_grad()
-            loss = step()
-            opt.step()
-            first = loss.item() if first is None else first
-        counter.on = False
-        row: dict[str, Any] = {"first_loss": first, "times": []}
+        row: dict[str, Any] = {"first_loss": counted_warm_up(step, opt, counter, WARMUP), "times": []}
         if name.startswith("fxpar"):
             rows = [r for r in holder.ledger(dist.get_rank()) if r.axis == "dp"]
             keys = {(r.op, str(r.dtype).removeprefix("torch.")) for r in rows}

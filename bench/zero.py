@@ -63,6 +63,20 @@ def _storage(tensors: list[torch.Tensor]) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
+def counted_warm_up(step: Any, opt: Any, counter: Counter, warmup: int) -> float:
+    """``warmup`` training steps, then one more with ``counter`` on (the dp bytes of one steady step); the first
+    step's loss."""
+    first = None
+    for i in range(warmup + 1):
+        counter.on, counter.bytes = i == warmup, {}
+        opt.zero_grad()
+        loss = step()
+        opt.step()
+        first = loss.item() if first is None else first
+    counter.on = False
+    return first
+
+
 class Counter:
     """dp collective bytes by op while active: DDP via its comm hook, FSDP2 via the dist functions it calls."""
 
@@ -141,14 +155,7 @@ def rank_main() -> dict[str, Any]:
     runs = {name: build(name, model, tokens, counter) for name in SYSTEMS}
     out: dict[str, Any] = {}
     for name, (step, opt, holder) in runs.items():
-        first = None
-        for i in range(WARMUP + 1):
-            counter.on, counter.bytes = i == WARMUP, {}
-            opt.zero_grad()
-            loss = step()
-            opt.step()
-            first = loss.item() if first is None else first
-        counter.on = False
+        first = counted_warm_up(step, opt, counter, WARMUP)
         params = [_local(p) for p in holder.parameters()]
         state = [_local(v) for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
         opt.zero_grad(set_to_none=False)
