@@ -1,4 +1,6 @@
-"""Flat ZeRO buckets (a mixin of ``fxpar.lower.retrace.Lowerer``): one collective per bucket of dp shards.
+"""ZeRO shards and flat buckets (a mixin of ``fxpar.lower.retrace.Lowerer``): one collective per bucket of dp shards.
+
+``zero3_shard`` makes a ZeRO-3 parameter's placeholder its dp shard, gathered lazily where it is first read.
 
 ZeRO-1/2's once-per-step ``gather_params`` and every ZeRO level's gradient reduce-scatter move one flat buffer per
 bucket; under ZeRO-3 the first use of any parameter of a bucket gathers the whole bucket (in the forward, and again
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
 
+from fxpar.ir import Placements, Step
 from fxpar.passes.overlap import block_of
 
 aten = torch.ops.aten
@@ -168,3 +172,40 @@ class FlatBuckets:
             out[fqn] = self._unrow(gathered, start, like, d, fqn)
             start += row.meta["val"].shape[1]
         return out
+
+    def zero3_shard(self, name: str, ph: fx.Node) -> None:
+        """ZeRO-3: the placeholder takes this rank's dp shard; its all-gather is emitted at the first use.
+
+        A tied weight's second placeholder uses the first one's gathered value. With overlap's ``zero_buckets``, the
+        first use of any parameter of a bucket gathers the whole bucket at once (FSDP2's group per block).
+        """
+        fqn = self.param_fqn[name]
+        first = next(n for f, n in self.prog.signature.params if f == fqn)
+        del self.env[name]
+        if first != name:
+            self.env.lazy[name] = lambda: self.env[first]
+            self.shards[name] = self.shards[first]
+            return
+        self.shards[name] = ph
+        d, dp = self.zero[fqn], self.mesh.axes["dp"]
+        full = ph.meta["val"]
+        shape = list(full.shape)
+        shape[d] //= dp
+        with self.fake:
+            ph.meta["val"] = torch.empty(shape, dtype=full.dtype, device=full.device)
+        placements = list(ph.meta["placements"])
+        placements[self.mesh.axis_index("dp")] = Shard(d)
+        ph.meta.update(placements=tuple(placements), zero3_shard=True)
+        after = self.prog.placements[name]
+        bucket = self.zero3_bucket(fqn)
+        if len(bucket) > 1:  # the first use gathers the whole bucket in one flat all-gather (``fxpar.lower.flat``)
+            self.env.lazy[name] = lambda: self.gathered_in_bucket(fqn, bucket)
+        else:
+            self.env.lazy[name] = lambda: self.gather(ph, d, dp, self.group("dp"), "dp", after, fqn, contiguous=True)
+
+    def is_own_shard(self, producer: str, dst: Placements, steps: tuple[Step, ...]) -> bool:
+        """Whether ``producer`` is a ZeRO-3 parameter asked for as exactly the dp shard it is stored as."""
+        if producer not in self.shards:
+            return False
+        d = self.zero[self.param_fqn[producer]]
+        return steps == (Step("slice", "dp", Replicate(), Shard(d)),)

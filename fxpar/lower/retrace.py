@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from fxpar.ir import Placements, Program, Step, consumed_tensors, graph_module, py_name
 from fxpar.lower.collectives import CollectiveEmitter
@@ -185,36 +185,6 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         n = self.mesh.axes.get(axis, 1)
         return n if n > 1 and isinstance(p[self.mesh.axis_index(axis)], Shard) else 1
 
-    def zero3_shard(self, name: str, ph: fx.Node) -> None:
-        """ZeRO-3: the placeholder takes this rank's dp shard; its all-gather is emitted at the first use.
-
-        A tied weight's second placeholder uses the first one's gathered value. With overlap's ``zero_buckets``, the
-        first use of any parameter of a bucket gathers the whole bucket at once (FSDP2's group per block).
-        """
-        fqn = self.param_fqn[name]
-        first = next(n for f, n in self.prog.signature.params if f == fqn)
-        del self.env[name]
-        if first != name:
-            self.env.lazy[name] = lambda: self.env[first]
-            self.shards[name] = self.shards[first]
-            return
-        self.shards[name] = ph
-        d, dp = self.zero[fqn], self.mesh.axes["dp"]
-        full = ph.meta["val"]
-        shape = list(full.shape)
-        shape[d] //= dp
-        with self.fake:
-            ph.meta["val"] = torch.empty(shape, dtype=full.dtype, device=full.device)
-        placements = list(ph.meta["placements"])
-        placements[self.mesh.axis_index("dp")] = Shard(d)
-        ph.meta.update(placements=tuple(placements), zero3_shard=True)
-        after = self.prog.placements[name]
-        bucket = self.zero3_bucket(fqn)
-        if len(bucket) > 1:  # the first use gathers the whole bucket in one flat all-gather (``fxpar.lower.flat``)
-            self.env.lazy[name] = lambda: self.gathered_in_bucket(fqn, bucket)
-        else:
-            self.env.lazy[name] = lambda: self.gather(ph, d, dp, self.group("dp"), "dp", after, fqn, contiguous=True)
-
     def get_attr(self, node: fx.Node) -> None:
         value = getattr(self.prog.gm, node.target)
         self.constants[node.target] = value
@@ -247,13 +217,6 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
                 args, kwargs = self.causal_on_context(node, args, kwargs)
             self.env[node.name] = self.emit(target, args, kwargs, placements=placements, module=module,
                                             name=node.name)
-
-    def is_own_shard(self, producer: str, dst: Placements, steps: tuple[Step, ...]) -> bool:
-        """Whether ``producer`` is a ZeRO-3 parameter asked for as exactly the dp shard it is stored as."""
-        if producer not in self.shards:
-            return False
-        d = self.zero[self.param_fqn[producer]]
-        return steps == (Step("slice", "dp", Replicate(), Shard(d)),)
 
     def local_inputs(self, node: fx.Node, plan: dict, module: str) -> dict[str, fx.Node]:
         out: dict[str, fx.Node] = {}
