@@ -338,6 +338,9 @@ def _value_key(v: Any) -> Any:
     if isinstance(v, functools.partial):  # e.g. an activation's per-layer partial(gelu, approximate="tanh")
         return ("partial", _value_key(v.func), tuple(map(_value_key, v.args)),
                 tuple(sorted((k, _value_key(x)) for k, x in v.keywords.items())))
+    if hasattr(v, "cast_key"):  # ``fxpar.mixed_precision``'s casting forward: a closure per module, same behaviour
+        original = v.original
+        return ("cast", _value_key(getattr(original, "__func__", original)), v.cast_key)
     return ("id", id(v))
 
 

@@ -68,6 +68,7 @@ def _casting_forward(module: torch.nn.Module, forward: Callable[..., Any], names
             module._parameters.update(saved)
 
     call.original = forward  # type: ignore[attr-defined]
+    call.cast_key = (tuple(names), dtype, cast_inputs)  # type: ignore[attr-defined]  # all the closure depends on
     return call
 
 
