@@ -15,7 +15,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar.backends.emit import SaveSources, save_programs
+from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
+from fxpar.estimate import Estimate
+from fxpar.estimate import estimate as estimate_step
 from fxpar.executor import LossFn, StageRunner, StepExecutor
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow, RankProgram
@@ -172,6 +175,11 @@ class ParallelModule(RankParameters):
     def memory(self, rank: int = 0) -> Memory:
         """Predicted bytes per rank for one step: ``.params .grads .optimizer .activations .transient .peak``."""
         return predict_memory(self._compiled, rank)
+
+    def estimate(self, cluster: Cluster) -> Estimate:
+        """Predicted step on ``cluster`` (``fxpar.estimate``): ``.step_time .mfu .tokens_per_s .peak_memory``;
+        ``print`` shows the breakdown (compute, exposed communication per axis, bubble, recompute, memory)."""
+        return estimate_step(self._compiled, cluster)
 
     def ledger_table(self, rank: int = 0) -> str:
         return ledger_table(self.ledger(rank))

@@ -1,0 +1,118 @@
+"""Closed-form costs of one node of a rank program on a ``fxpar.Cluster``: compute and collectives.
+
+The formulas are sympy expressions (``FORMULAS``), printed by ``pm.estimate`` and evaluated through
+``lambdify``:
+
+* a compute node takes ``max(F / (P f), M / (W h))``: its FLOPs over the achievable matmul rate in its
+  dtype, or the bytes it reads and writes over the achievable memory bandwidth, whichever is longer;
+* a collective over a group of ``n`` ranks moving a tensor of ``B`` bytes (the full tensor it reduces
+  or produces) runs the ring algorithm: ``2 (n-1)`` steps for an all-reduce, ``n-1`` for all-gather,
+  reduce-scatter and all-to-all, each paying the link latency ``a`` and ``B / n`` bytes at bandwidth ``b``;
+  a point-to-point transfer pays ``a + B / b``.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx as fx
+
+from fxpar.cluster import Cluster
+from fxpar.memory import VIEW_OPS
+
+aten = torch.ops.aten
+F_, P_, f_, M_, W_, h_ = sympy.symbols("F P f M W h", positive=True)
+n_, B_, a_, b_ = sympy.symbols("n B a b", positive=True)
+
+FORMULAS: dict[str, sympy.Expr] = {
+    "compute": sympy.Max(F_ / (P_ * f_), M_ / (W_ * h_)),
+    "all_reduce": 2 * (n_ - 1) * (a_ + B_ / (n_ * b_)),
+    "all_gather": (n_ - 1) * (a_ + B_ / (n_ * b_)),
+    "reduce_scatter": (n_ - 1) * (a_ + B_ / (n_ * b_)),
+    "all_to_all": (n_ - 1) * (a_ + B_ / (n_ * b_)),
+    "send": a_ + B_ / b_,
+}
+_RING = {op: sympy.lambdify((n_, B_, a_, b_), expr) for op, expr in FORMULAS.items() if op != "compute"}
+_RING["recv"] = _RING["send"]
+
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
+            aten.matmul.default, aten._scaled_mm.default}
+_FREE = VIEW_OPS | {aten.t.default, aten.reshape.default, aten.lift_fresh_copy.default}
+
+
+def formula_text() -> list[str]:
+    """The closed forms, one line each, with what the symbols mean."""
+    lines = [f"  {op:<15} t = {expr}" for op, expr in FORMULAS.items()]
+    lines.append("  (F FLOPs, P peak FLOP/s in the node's dtype, f achievable fraction, M bytes read+written, W memory "
+                 "bandwidth, h its fraction; n group size, B bytes of the full tensor, a link latency per step, b link "
+                 "bandwidth)")
+    return lines
+
+
+def collective_time(op: str, ranks: tuple[int, ...], nbytes: int, cluster: Cluster) -> float:
+    """Seconds for one collective (or ``send``/``recv``) of ``nbytes`` over the group ``ranks``."""
+    latency, bandwidth = cluster.link(ranks)
+    n = max(len(ranks), 2) if op in ("send", "recv") else len(ranks)
+    if n < 2 and op not in ("send", "recv"):
+        return 0.0
+    return float(_RING[op](n, nbytes, latency, bandwidth))
+
+
+def node_flops(n: fx.Node) -> float:
+    """Matmul and attention FLOPs of one node (0 for everything else)."""
+    val = n.meta.get("val")
+    if n.target in _MATMULS:
+        a = n.args[1] if n.target in (aten.addmm.default, aten.baddbmm.default) else n.args[0]
+        out = val[0] if isinstance(val, (tuple, list)) else val
+        return 2.0 * out.numel() * _tensor(a).shape[-1]
+    name = str(n.target)
+    if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
+        q, k = _tensor(n.args[0]), _tensor(n.args[1])
+        fwd = 4.0 * q.numel() * k.shape[-2]  # QK^T and PV: 2 * (b h s_q s_kv d) each
+        return 2 * fwd if "backward" in name else fwd
+    if "bmm4" in name:  # fxpar::bmm4 (batched 4-d matmul)
+        out = val[0] if isinstance(val, (tuple, list)) else val
+        return 2.0 * out.numel() * _tensor(n.args[0]).shape[-1]
+    return 0.0
+
+
+def node_bytes(n: fx.Node) -> int:
+    """Bytes a node reads and writes (views and shape ops are free)."""
+    if n.op != "call_function" or n.target in _FREE or n.target.__class__.__name__ == "builtin_function_or_method":
+        return 0
+    total = _bytes(n.meta.get("val"))
+    for a in n.all_input_nodes:
+        total += _bytes(a.meta.get("val"))
+    return total
+
+
+def compute_time(n: fx.Node, cluster: Cluster) -> tuple[float, float]:
+    """(seconds, FLOPs) of one compute node on one device of ``cluster``."""
+    flops = node_flops(n)
+    moved = node_bytes(n)
+    if not flops and not moved:
+        return 0.0, 0.0
+    t_math = flops / cluster.flops(_dtype(n)) if flops else 0.0
+    return max(t_math, moved / cluster.memory_bandwidth), flops
+
+
+def _tensor(x: object) -> torch.Tensor:
+    val = x.meta.get("val") if isinstance(x, fx.Node) else x
+    if isinstance(val, (tuple, list)):
+        val = val[0]
+    return val
+
+
+def _dtype(n: fx.Node) -> torch.dtype:
+    if n.target is aten._scaled_mm.default:
+        return _tensor(n.args[0]).dtype
+    val = _tensor(n)
+    return val.dtype if isinstance(val, torch.Tensor) else torch.float32
+
+
+def _bytes(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_bytes(v) for v in val)
+    return 0
