@@ -2,11 +2,13 @@
 
 import fxpar.ops  # noqa: F401  (registers fxpar::bmm4 before any program runs)
 from fxpar.api import parallelize
+from fxpar.cluster import Cluster
 from fxpar.errors import CaptureError, CheckpointError, FxparWarning, PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.runtime import ParallelModule
+from fxpar.search import Candidate, search
 from fxpar.verify import VerifyError, verify
 
-__all__ = ["CaptureError", "CheckpointError", "FxparWarning", "Mesh", "ParallelModule", "Plan", "PlanError",
-           "VerifyError", "parallelize", "verify"]
+__all__ = ["Candidate", "CaptureError", "CheckpointError", "Cluster", "FxparWarning", "Mesh", "ParallelModule", "Plan",
+           "PlanError", "VerifyError", "parallelize", "search", "verify"]

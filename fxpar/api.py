@@ -8,16 +8,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, compile_model
+from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.runtime import ParallelModule
+from fxpar.search import auto_plan, needs_plan
 from fxpar.verify import verify
 
 
 def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...] | Any,
-                plan: Plan | dict[str, str] | None = None, *, loss_fn: Callable[..., torch.Tensor] | None = None,
-                example_targets: Any = None) -> ParallelModule:
+                plan: Plan | dict[str, str] | str | None = None, *,
+                loss_fn: Callable[..., torch.Tensor] | None = None, example_targets: Any = None,
+                cluster: Cluster | None = None) -> ParallelModule:
     """Compile ``model`` into one program per rank of ``mesh`` and return this rank's module.
 
     Requires: ``example_inputs`` with global (unsharded) shapes; on a real mesh, an initialized
@@ -26,6 +30,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     averages gradients over it; an axis named ``pp`` runs ``plan.stages`` pipeline stages under
     ``plan.schedule`` and needs ``loss_fn(outputs, targets)`` (a batch mean), computed by the last
     stage. ``example_targets`` (global shapes) documents the targets ``pm.step`` will get.
+    ``plan="auto"`` runs ``fxpar.search`` with the mesh fixed, costed on ``cluster`` (default: this
+    machine measured for a CPU mesh, the GPU's preset for a CUDA one); ``plan=None`` means ``"auto"``
+    when the mesh has an axis that needs a plan (``tp``), else the single-device defaults.
     Ensures: ``model`` is not modified; the returned module's parameters are DTensors named as in
     ``model`` (each rank holds its stages' parameters); ``pm.program(rank)`` / ``pm.ledger(rank)``
     inspect any rank, also on a fake mesh; ``fxpar.verify(pm)`` has passed
@@ -35,6 +42,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     if not mesh.fake:
         mesh.device_mesh()  # validates the world size before any work
         rank = dist.get_rank()
+    if plan == "auto" or (plan is None and needs_plan(mesh)):
+        plan = auto_plan(model, mesh, example_inputs, cluster, loss_fn)
+    elif isinstance(plan, str):
+        raise PlanError(f"plan must be a fxpar.Plan, a dict of module globs to styles, 'auto' or None, got {plan!r}")
     compiled = compile_program(model, mesh, example_inputs, plan, loss_fn=loss_fn)
     pm = ParallelModule(compiled, model, rank, loss_fn=loss_fn)
     pm.proof = verify(pm)  # what the collective-order proof checked (ranks, roles, groups, events)

@@ -147,7 +147,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
                             "of stages (stages = v * pp)")
     schedule = make_schedule(plan.schedule, pp, len(programs), m)
     resolved = plan.resolved(stages=len(programs) if isinstance(plan.stages, int) or plan.stages is None
-                             else plan.stages, microbatches=m, notes=notes)
+                             else plan.stages, microbatches=m, notes={**plan.notes, **notes})
     start = time.perf_counter()
     programs = [resolve_recompute_budget(p) for p in programs]  # a byte budget is measured on a lowered program
     if plan.recompute is not None and not isinstance(plan.recompute, str):

@@ -1,0 +1,192 @@
+"""What the planner's closed forms need to know about a model, read off small compiles of it.
+
+``profile_model`` compiles the model on a one-rank fake mesh for one sample, twice: with its repeated
+blocks cut to one and to two (a shallow copy; the user's model is untouched). From those programs:
+
+* forward seconds per sample on the cluster of one block, and of the rest (embeddings, head, loss), and
+  the part of a block's time that tensor parallelism divides (the nodes of the groups ``fxpar.tp_styles``
+  finds, and attention between them);
+* the activation one block hands the next (bytes per sample), the bytes one block saves for its backward
+  (the difference of the two compiles' ``pm.memory``), and what the rest saves;
+* parameters per block and in total, and the model FLOPs per sample (6 N plus attention, no recompute).
+
+Everything is per sample and scales with the microbatch: the closed forms in ``fxpar.search`` multiply.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxpar.cluster import Cluster
+from fxpar.compiled import Compiled, compile_model
+from fxpar.costs import compute_time, node_flops
+from fxpar.errors import PlanError
+from fxpar.memory import predict as predict_memory
+from fxpar.mesh import Mesh
+from fxpar.modules import module_table
+from fxpar.plan import Plan
+from fxpar.stages import block_paths
+from fxpar.tp_styles import TpGroup, find_groups
+
+_ONE_RANK = Mesh({"dp": 1}, fake=True)
+
+
+@dataclass
+class ModelProfile:
+    """Per-sample costs of one block and of the rest (module docstring)."""
+
+    n_blocks: int
+    block_parent: str | None  # "model.layers": the groups' globs go under it (None: the model is one block)
+    groups: list[TpGroup]
+    params_total: int  # trainable elements
+    params_block: int
+    param_bytes: int  # bytes per master-weight element
+    block_time: float  # forward seconds per sample on one device
+    block_shardable: float  # the part of it tensor parallelism divides
+    rest_time: float
+    boundary_bytes: int  # one block's output, per sample
+    reduced_bytes: int  # the groups' rowwise outputs (what tp reduces once each in forward and backward), per sample
+    block_saved: int  # bytes one block saves for its backward, per sample
+    rest_saved: int
+    flops_per_sample: float  # model FLOPs (forward x 3) of one sample
+    tokens_per_sample: int
+    batch: int  # global samples per step
+    seconds: dict[str, float] = field(default_factory=dict)  # how long profiling took
+
+
+def profile_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, loss_fn: Any = None,
+                  param_dtype: torch.dtype | None = None) -> ModelProfile:
+    """Profile ``model`` for ``cluster`` (module docstring). Raises PlanError for a model without repeated blocks."""
+    blocks = block_paths(model) or [""]  # no repeated blocks: the whole model is one
+    batch = _batch(example_inputs)
+    one = _slice_batch(example_inputs)
+    plan = Plan(param_dtype=param_dtype)
+    small = compile_model(_truncated(model, blocks, 1), _ONE_RANK, one, plan, loss_fn) if len(blocks) > 1 else None
+    two = compile_model(_truncated(model, blocks, 2) if len(blocks) > 2 else model, _ONE_RANK, one, plan, loss_fn)
+    prog = two.stages[0]
+    groups = find_groups(prog, module_table(model), blocks[0])
+    times = _forward_times(two, blocks[0], groups, cluster)
+    saved2 = predict_memory(two, 0).activations
+    saved1 = predict_memory(small, 0).activations if small is not None else 0
+    block_saved = max(saved2 - saved1, 0) if small is not None else saved2
+    params_block = sum(p.numel() for p in model.get_submodule(blocks[0]).parameters() if p.requires_grad)
+    parent = blocks[0].rpartition(".")[0] if blocks[0] else None
+    params_total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    master = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return ModelProfile(
+        n_blocks=len(blocks), block_parent=parent, groups=groups,
+        params_total=params_total, params_block=params_block,
+        param_bytes=master.element_size() if master is not None else 4,
+        block_time=times["block"], block_shardable=times["shardable"], rest_time=times["rest"],
+        boundary_bytes=times["boundary"], reduced_bytes=times["reduced"], block_saved=block_saved,
+        rest_saved=max(saved1 - block_saved, 0) if small is not None else 0,
+        flops_per_sample=_model_flops(two, blocks[0], len(blocks)), tokens_per_sample=_tokens(one),
+        batch=batch,
+    )
+
+
+def _truncated(model: torch.nn.Module, blocks: list[str], k: int) -> torch.nn.Module:
+    """A shallow copy of ``model`` whose block list holds its first ``k`` blocks (modules shared, not copied)."""
+    parent_path = blocks[0].rpartition(".")[0]
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    holder = root
+    parts = parent_path.split(".") if parent_path else []
+    for name in parts[:-1]:
+        child = copy.copy(holder._modules[name])
+        child._modules = dict(child._modules)
+        holder._modules[name] = child
+        holder = child
+    listed = holder._modules[parts[-1]] if parts else root
+    kept = type(listed)(*list(listed.children())[:k]) if isinstance(listed, torch.nn.Sequential) \
+        else torch.nn.ModuleList(list(listed.children())[:k])
+    if not parts:
+        return kept
+    holder._modules[parts[-1]] = kept
+    return root
+
+
+def _forward_times(c: Compiled, block: str, groups: list[TpGroup], cluster: Cluster) -> dict[str, Any]:
+    prog = c.stages[0]
+    prefix = block + "." if block else ""
+    mine = {prefix + r for g in groups for r in g.regions()}
+    out = {"block": 0.0, "shardable": 0.0, "rest": 0.0, "boundary": 0, "reduced": 0}
+    rowwise = {prefix + g.rowwise for g in groups}
+    last_of: dict[str, Any] = {}
+    for n in prog.graph.nodes:
+        prov = prog.provenance.get(n.name)
+        if n.op != "call_function" or prov is None or prov.phase != "fwd":
+            continue
+        seconds, flops = compute_time(n, cluster)
+        if _inside(prov.module, block):
+            out["block"] += seconds
+            inside = any(prov.module == m or prov.module.startswith(m + ".") for m in mine)
+            if inside:  # the groups' modules and what runs between them (attention, activations)
+                out["shardable"] += seconds
+            if prov.module == block and "add" in str(n.target):
+                out["boundary"] = _nbytes(n)
+            if prov.module in rowwise:
+                last_of[prov.module] = n
+        elif not _in_other_block(prov.module, block):
+            out["rest"] += seconds
+    out["reduced"] = sum(_nbytes(n) for n in last_of.values())  # each group's rowwise output, reduced over tp
+    out["boundary"] = out["boundary"] or max((_nbytes(n) for n in last_of.values()), default=0)
+    return out
+
+
+def _nbytes(n: Any) -> int:
+    val = n.meta.get("val")
+    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
+
+
+def _inside(module: str, block: str) -> bool:
+    return not block or module == block or module.startswith(block + ".")
+
+
+def _in_other_block(module: str, block: str) -> bool:
+    parent = block.rpartition(".")[0]
+    return bool(parent) and module.startswith(parent + ".") and not module.startswith(block)
+
+
+def _model_flops(c: Compiled, block: str, n_blocks: int) -> float:
+    """Forward FLOPs x 3 of the whole model for one sample: the rest once, one block ``n_blocks`` times."""
+    prog = c.stages[0]
+    per_block = rest = 0.0
+    parent = block.rpartition(".")[0]
+    for n in prog.graph.nodes:
+        prov = prog.provenance.get(n.name)
+        if n.op != "call_function" or prov is None or prov.phase != "fwd":
+            continue
+        f = node_flops(n)
+        if _inside(prov.module, block):
+            per_block += f
+        elif not (parent and prov.module.startswith(parent + ".")):
+            rest += f
+    return 3.0 * (rest + per_block * n_blocks)
+
+
+def _batch(inputs: Any) -> int:
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim():
+            return int(v.shape[0])
+    raise PlanError("example_inputs hold no tensor with a batch dim: the planner splits dim 0 over dp and microbatches")
+
+
+def _slice_batch(inputs: Any) -> Any:
+    def one(v: Any) -> Any:
+        return v[:1] if isinstance(v, torch.Tensor) and v.dim() else v
+
+    return {k: one(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(one(v) for v in inputs)
+
+
+def _tokens(inputs: Any) -> int:
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    for v in values:
+        if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() >= 1:
+            return int(v.numel())
+    return 1

@@ -1,0 +1,428 @@
+"""``fxpar.search``: choose a mesh and a plan for a model on a cluster.
+
+1. **Profile** (``fxpar.profile``): two small one-rank compiles of the model (its blocks cut to one and
+   two) give per-sample seconds, bytes and parameters of a block and of the rest, and the block's
+   tensor-parallel groups (``fxpar.tp_styles``: found from the graph, not from module names).
+2. **Enumerate and prune** with the closed forms (``fxpar.closed_form``): every factorization of the
+   cluster's devices into ``pp x dp x tp`` (tp inside a node first), the microbatches, ZeRO level,
+   recompute, sequence parallelism and pipeline schedule, minus what ``fixed`` pins. A family is pruned
+   with its reason: more stages than blocks, a batch dp does not divide, tensor parallelism across
+   nodes, memory over HBM.
+3. **Tensor-parallel groups**: a group is sharded when the compute it divides saves more per sample
+   than its activations cost to reduce over the tp link's bandwidth (the batch-independent regime plans
+   are trained in: latency terms vanish as the batch grows); otherwise the block is replicated over tp,
+   and ``explain()`` gives both numbers.
+4. **Confirm**: the best few are compiled at full scale on a fake mesh and costed by ``pm.estimate``
+   (the rank programs themselves); those come first, ordered by their estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxpar.closed_form import Choice, ClosedForm, evaluate
+from fxpar.cluster import Cluster
+from fxpar.compiled import compile_model
+from fxpar.errors import PlanError, close_matches
+from fxpar.estimate import Estimate, estimate
+from fxpar.mesh import Mesh
+from fxpar.plan import Plan
+from fxpar.profile import ModelProfile, profile_model
+
+MESH_AXES = ("pp", "dp", "cp", "ep", "tp")
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "notes")
+SEARCHED = ("tp", "sequence_parallel", "zero", "stages", "schedule", "microbatches", "recompute")
+
+
+@dataclass
+class Candidate:
+    """One searched plan: ``.mesh`` (axis sizes), ``.plan``, ``.estimate`` (compiled when ``.confirmed``)."""
+
+    mesh: dict[str, int]
+    plan: Plan
+    estimate: Estimate | ClosedForm
+    closed_form: ClosedForm
+    choice: Choice
+    confirmed: bool
+    report: SearchReport = field(repr=False)
+
+    @property
+    def step_time(self) -> float:
+        return self.estimate.step_time
+
+    def explain(self) -> str:
+        """Why this candidate wins: its breakdown next to the runners-up, and what ruled out each pruned family."""
+        return self.report.explain(self)
+
+
+@dataclass
+class SearchReport:
+    """What one search did: the candidates kept, the pruned families and why, the tp decisions, timings."""
+
+    cluster: Cluster
+    profile: ModelProfile
+    candidates: list[Candidate] = field(default_factory=list)
+    pruned: dict[str, str] = field(default_factory=dict)
+    tp_decisions: dict[int, str] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    evaluated: int = 0
+
+    def explain(self, chosen: Candidate) -> str:
+        lines = [f"chosen: mesh {chosen.mesh}, {_plan_line(chosen.plan)}",
+                 f"  on {self.cluster}",
+                 f"  {'compiled estimate' if chosen.confirmed else 'closed form'}: step "
+                 f"{chosen.step_time * 1e3:.2f} ms, MFU {_mfu(chosen):.1%}, peak memory "
+                 f"{_peak(chosen) / 2**30:.2f} GiB per rank"]
+        if isinstance(chosen.estimate, Estimate):
+            lines += ["  " + ln for ln in str(chosen.estimate).splitlines()[1:] if not ln.startswith("  formulas")
+                      and "t = " not in ln and "(F FLOPs" not in ln]
+        lines.append("runners-up (step time, MFU, peak memory per rank):")
+        for c in self.candidates:
+            if c is chosen:
+                continue
+            how = "compiled" if c.confirmed else "closed form"
+            slower = c.step_time / chosen.step_time if chosen.step_time else float("inf")
+            lines.append(f"  {c.mesh} {_plan_line(c.plan)}: {c.step_time * 1e3:.2f} ms ({slower:.2f}x, {how}), "
+                         f"MFU {_mfu(c):.1%}, {_peak(c) / 2**30:.2f} GiB")
+        if self.tp_decisions:
+            lines.append("tensor-parallel groups (found in the graph):")
+            lines += [f"  {g}" for g in self.profile.groups] or ["  none: no matmul feeds another inside a block"]
+            lines += [f"  tp={tp}: {why}" for tp, why in sorted(self.tp_decisions.items())]
+        if self.pruned:
+            lines.append("pruned families:")
+            lines += [f"  {family}: {why}" for family, why in self.pruned.items()]
+        if self.failed:
+            lines.append("candidates that failed to compile:")
+            lines += [f"  {f}" for f in self.failed]
+        lines.append(f"searched {self.evaluated} closed-form candidates in "
+                     + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
+        return "\n".join(lines)
+
+
+def search(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, loss_fn: Any = None,
+           example_targets: Any = None, fixed: dict[str, Any] | None = None, top: int = 5,
+           confirm: int = 2) -> list[Candidate]:
+    """Candidates for ``model`` on ``cluster``, best first (module docstring).
+
+    Requires: ``example_inputs`` with the global batch (dim 0) of one step; ``loss_fn`` for plans with
+    pipeline stages. ``fixed`` pins mesh axis sizes (``pp dp cp ep tp``) or Plan fields. On GPU presets
+    plans use bf16 mixed precision (fp32 reduction) unless ``fixed`` sets ``param_dtype``.
+    Ensures: each candidate's plan compiles for its mesh (the first ``confirm`` were compiled and costed
+    from their rank programs). Raises PlanError for unknown or contradictory ``fixed`` entries and when no
+    plan fits the cluster's memory (naming the smallest per-rank memory found and what dominates it).
+    """
+    started = time.perf_counter()
+    fixed = dict(fixed or {})
+    base = _base_fields(fixed, cluster)
+    if isinstance(fixed.get("tp"), (dict, str)):  # a tp plan, not the tp axis size
+        del fixed["tp"]
+    fixed = _check_fixed(fixed, cluster)
+    profile = profile_model(model, example_inputs, cluster, loss_fn=loss_fn, param_dtype=base.get("param_dtype"))
+    report = SearchReport(cluster, profile)
+    report.seconds["profile"] = time.perf_counter() - started
+    ranked = _rank(profile, cluster, fixed, report)
+    report.seconds["closed forms"] = time.perf_counter() - started - report.seconds["profile"]
+    candidates = _confirm(model, example_inputs, loss_fn, cluster, ranked, base, profile, fixed, report,
+                          confirm, top)
+    report.seconds["confirm"] = time.perf_counter() - started - sum(report.seconds.values())
+    report.candidates = candidates
+    return candidates
+
+
+def _check_fixed(fixed: dict[str, Any], cluster: Cluster) -> dict[str, Any]:
+    """Unknown names and mesh sizes the cluster cannot hold are PlanErrors naming the field."""
+    for key in fixed:
+        if key not in MESH_AXES and key not in PLAN_FIELDS:
+            hint = close_matches(key, list(MESH_AXES + PLAN_FIELDS))
+            raise PlanError(f"fixed[{key!r}]: not a mesh axis ({', '.join(MESH_AXES)}) or a Plan field"
+                            + (f"; did you mean {hint[0]!r}?" if hint else ""))
+    product = 1
+    for axis in MESH_AXES:
+        if axis in fixed:
+            size = fixed[axis]
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise PlanError(f"fixed[{axis!r}] must be a positive int, got {size!r}")
+            product *= size
+            if cluster.gpus % size:
+                raise PlanError(f"fixed[{axis!r}]={size} does not divide the cluster's {cluster.gpus} GPUs "
+                                f"(Cluster.gpus={cluster.gpus})")
+    if cluster.gpus % product:
+        pinned = ", ".join(f"{a}={fixed[a]}" for a in MESH_AXES if a in fixed)
+        raise PlanError(f"fixed mesh axes ({pinned}) need multiples of {product} GPUs, but the cluster has "
+                        f"{cluster.gpus} (Cluster.gpus)")
+    if all(a in fixed for a in ("pp", "dp", "tp")) and product != cluster.gpus:
+        raise PlanError(f"fixed pp x dp x cp x ep x tp = {product} but the cluster has {cluster.gpus} GPUs "
+                        "(Cluster.gpus): fix fewer axes or size the cluster to match")
+    return fixed
+
+
+def _base_fields(fixed: dict[str, Any], cluster: Cluster) -> dict[str, Any]:
+    """Plan fields the search does not vary: fixed ones, and bf16 mixed precision on GPU clusters."""
+    base = {k: v for k, v in fixed.items() if k in PLAN_FIELDS and not (k == "tp" and isinstance(v, int))}
+    if cluster.device == "cuda" and "param_dtype" not in base:
+        base["param_dtype"] = torch.bfloat16
+        base.setdefault("reduce_dtype", torch.float32)
+    return base
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(cluster: Cluster, fixed: dict[str, Any], profile: ModelProfile,
+            report: SearchReport) -> list[tuple[int, int, int]]:
+    """(pp, dp, tp) factorizations of the devices left after fixed cp/ep, minus pruned families."""
+    other = fixed.get("cp", 1) * fixed.get("ep", 1)
+    devices = cluster.gpus // other
+    out = []
+    for tp in _divisors(devices):
+        if "tp" in fixed and tp != fixed["tp"]:
+            continue
+        if tp > cluster.gpus_per_node and "tp" not in fixed:
+            report.pruned.setdefault(f"tp>{cluster.gpus_per_node}", "tensor parallelism across nodes: its "
+                                     "activation reductions would cross the inter-node link every block")
+            continue
+        for pp in _divisors(devices // tp):
+            dp = devices // tp // pp
+            if ("pp" in fixed and pp != fixed["pp"]) or ("dp" in fixed and dp != fixed["dp"]):
+                continue
+            if pp > profile.n_blocks:
+                report.pruned.setdefault(f"pp>{profile.n_blocks}", f"more pipeline stages than the model's "
+                                         f"{profile.n_blocks} blocks")
+                continue
+            if profile.batch % dp:
+                report.pruned.setdefault(f"dp={dp}", f"does not divide the global batch of {profile.batch}")
+                continue
+            out.append((pp, dp, tp))
+    return out
+
+
+def _tp_groups(profile: ModelProfile, tp: int, cluster: Cluster, report: SearchReport) -> int:
+    """How many groups to shard at ``tp`` (all or none): compute saved vs bytes moved, per sample."""
+    if tp == 1 or not profile.groups:
+        return 0
+    saved = 3 * profile.block_shardable * (1 - 1 / tp)
+    _, bandwidth = cluster.link(tuple(range(tp)))
+    moved = 2 * 2 * (tp - 1) / tp * profile.reduced_bytes / bandwidth  # forward and backward reductions
+    worth = saved > moved
+    report.tp_decisions[tp] = (f"{'shard' if worth else 'replicate'}: sharding the groups saves "
+                               f"{saved * 1e6:.3f} us of compute per sample and block and costs {moved * 1e6:.3f} us "
+                               f"of tp reductions at {bandwidth / 1e9:.1f} GB/s")
+    return len(profile.groups) if worth else 0
+
+
+def _rank(profile: ModelProfile, cluster: Cluster, fixed: dict[str, Any],
+          report: SearchReport) -> list[tuple[ClosedForm, Choice]]:
+    """Every choice that fits, by closed-form step time; raises PlanError when none fits."""
+    fits: list[tuple[ClosedForm, Choice]] = []
+    smallest: tuple[float, ClosedForm, Choice] | None = None
+    for pp, dp, tp in _meshes(cluster, fixed, profile, report):
+        groups = _tp_groups(profile, tp, cluster, report)
+        for ch in _choices(profile, pp, dp, tp, groups, fixed):
+            cf = evaluate(profile, ch, cluster)
+            report.evaluated += 1
+            if smallest is None or cf.memory < smallest[0]:
+                smallest = (cf.memory, cf, ch)
+            if cf.memory <= cluster.hbm_bytes:
+                fits.append((cf, ch))
+            else:
+                report.pruned.setdefault(f"pp={pp} dp={dp} tp={tp} (some plans)", "memory over HBM")
+    if not fits:
+        raise PlanError(_fits_nowhere(profile, cluster, smallest))
+    fits.sort(key=lambda x: x[0].step_time)
+    return _prefer_simple(fits, lambda x: x[0].step_time, lambda x: x[1])
+
+
+SIMPLER_WITHIN = 0.05  # a plan with fewer non-default fields wins when it is at most 5% slower
+
+
+def _complexity(ch: Choice) -> int:
+    """Non-default plan fields: each is something a user has to understand and the cost model can get wrong."""
+    return (ch.sequence_parallel + (ch.zero > 0) + (ch.recompute is not None) + (ch.schedule != "1f1b")
+            + (ch.microbatches > 1 and ch.pp == 1))
+
+
+def _prefer_simple(items: list[Any], seconds: Any, choice: Any) -> list[Any]:
+    """``items`` (sorted by ``seconds``) with the simplest one within ``SIMPLER_WITHIN`` of the best moved first."""
+    if not items:
+        return items
+    limit = seconds(items[0]) * (1 + SIMPLER_WITHIN)
+    near = [x for x in items if seconds(x) <= limit]
+    simplest = min(near, key=lambda x: (_complexity(choice(x)), seconds(x)))
+    return [simplest] + [x for x in items if x is not simplest]
+
+
+def _fits_nowhere(profile: ModelProfile, cluster: Cluster, smallest: tuple[float, ClosedForm, Choice] | None) -> str:
+    if smallest is None:
+        return (f"no mesh of {cluster.gpus} GPUs suits this model and batch ({profile.batch} samples, "
+                f"{profile.n_blocks} blocks): see the fixed axes and the batch size")
+    mem, cf, ch = smallest
+    activation_part = mem - _states_bytes(cf, ch, profile)
+    dominant = "parameters, gradients and optimizer state" if activation_part < mem / 2 else "activations"
+    return (f"the model fits nowhere in {cluster.name} memory ({cluster.hbm_bytes / 2**30:.1f} GiB per device): the "
+            f"smallest per-rank memory found is {mem / 2**30:.1f} GiB (pp={ch.pp} dp={ch.dp} tp={ch.tp}, "
+            f"zero={ch.zero}, recompute={ch.recompute!r}), dominated by {dominant} "
+            f"({(mem - activation_part) / 2**30:.1f} GiB of states for {cf.params_per_rank:,.0f} parameters per "
+            f"rank, {activation_part / 2**30:.1f} GiB of activations); use more GPUs or a smaller batch")
+
+
+def _states_bytes(cf: ClosedForm, ch: Choice, profile: ModelProfile) -> float:
+    n = ch.dp
+    per = {0: 16.0, 1: 8 + 16 / n, 2: 4 + 16 / n, 3: 16 / n}[ch.zero if n > 1 else 0]
+    return cf.params_per_rank * per * profile.param_bytes / 4
+
+
+def _choices(profile: ModelProfile, pp: int, dp: int, tp: int, groups: int, fixed: dict[str, Any]):  # noqa: ANN202
+    """Every plan variant for one mesh (what ``fixed`` pins is held)."""
+    local = profile.batch // dp
+    if pp == 1:  # microbatches only trade time for activation memory
+        micro = [m for m in (1, 2, 4) if local % m == 0]
+    else:  # microbatches of 1, 2, 4, ... samples: enough of them to fill the pipeline
+        micro = sorted({local // s for s in (1, 2, 4, 8, 16) if local % s == 0})
+        micro = [m for m in micro if m >= pp] or micro[-1:]
+    zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+    sps = (True, False) if groups else (False,)
+    schedules: list[tuple[str, int]] = [("1f1b", pp)]
+    if pp > 1:
+        schedules += [("interleaved-1f1b", pp * v) for v in (2, 4) if pp * v <= profile.n_blocks]
+    for m, zero, sp, rc, (sched, stages) in itertools.product(micro, zeros, sps, (None, "full"), schedules):
+        ch = Choice(pp, dp, tp, m, groups, sp, zero, rc, sched, stages)
+        if sched == "interleaved-1f1b" and m % pp:
+            continue
+        if _contradicts(ch, fixed):
+            continue
+        yield ch
+
+
+def _contradicts(ch: Choice, fixed: dict[str, Any]) -> bool:
+    pinned = {"microbatches": ch.microbatches, "sequence_parallel": ch.sequence_parallel, "zero": ch.zero,
+              "recompute": ch.recompute, "schedule": ch.schedule, "stages": ch.stages}
+    return any(k in fixed and fixed[k] != v for k, v in pinned.items())
+
+
+def plan_of(ch: Choice, profile: ModelProfile, base: dict[str, Any]) -> Plan:
+    """The ``fxpar.Plan`` of a choice."""
+    tp_styles: dict[str, str] = {}
+    if ch.sharded_groups:
+        for g in profile.groups[: ch.sharded_groups]:
+            tp_styles.update(g.styles(profile.block_parent))
+    fields: dict[str, Any] = {"tp": tp_styles, "sequence_parallel": ch.sequence_parallel and bool(tp_styles),
+                              "zero": ch.zero, "recompute": ch.recompute, "schedule": ch.schedule,
+                              "microbatches": ch.microbatches, "stages": ch.stages if ch.pp > 1 else None}
+    fields.update(base)
+    return Plan(**fields)
+
+
+def mesh_of(ch: Choice, fixed: dict[str, Any]) -> dict[str, int]:
+    axes = {"pp": ch.pp, "dp": ch.dp, "cp": fixed.get("cp", 1), "ep": fixed.get("ep", 1), "tp": ch.tp}
+    kept = {k: v for k, v in axes.items() if v > 1}
+    return kept or {"dp": 1}
+
+
+def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster,
+             ranked: list[tuple[ClosedForm, Choice]], base: dict[str, Any], profile: ModelProfile,
+             fixed: dict[str, Any], report: SearchReport, confirm: int, top: int) -> list[Candidate]:
+    """Compile and cost the best ``confirm`` distinct candidates; return ``top``, confirmed ones first."""
+    confirmed: list[Candidate] = []
+    closed: list[Candidate] = []
+    seen: set[str] = set()
+    for cf, ch in ranked:
+        if len(confirmed) + len(closed) >= max(top, confirm) and len(confirmed) >= confirm:
+            break
+        plan, mesh = plan_of(ch, profile, base), mesh_of(ch, fixed)
+        key = f"{mesh} {plan}"
+        if key in seen:
+            continue
+        seen.add(key)
+        if len(confirmed) < confirm and len(report.failed) < 4:
+            try:
+                compiled = compile_model(model, Mesh(mesh, fake=True), inputs, plan, loss_fn)
+                est = estimate(compiled, cluster)
+            except Exception as e:  # noqa: BLE001  (a candidate the compiler refuses is reported, not fatal)
+                report.failed.append(f"{mesh} {_plan_line(plan)}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                continue
+            confirmed.append(Candidate(mesh, plan, est, cf, ch, True, report))
+        else:
+            closed.append(Candidate(mesh, plan, cf, cf, ch, False, report))
+    _calibrate(confirmed, closed)
+    confirmed.sort(key=lambda c: (not c.estimate.fits, c.step_time))  # type: ignore[union-attr]
+    fitting = [c for c in confirmed if c.estimate.fits]  # type: ignore[union-attr]
+    confirmed = _prefer_simple(fitting, lambda c: c.step_time, lambda c: c.choice) + \
+        [c for c in confirmed if c not in fitting]
+    out = (confirmed + closed)[:max(top, 1)]
+    if not out:
+        raise PlanError("no candidate plan compiled: " + "; ".join(report.failed))
+    return out
+
+
+def _calibrate(confirmed: list[Candidate], closed: list[Candidate]) -> None:
+    """Scale unconfirmed closed forms by the median ratio compiled / closed form of the confirmed ones, so the
+    runners-up they are listed beside compare like for like."""
+    ratios = sorted(c.step_time / c.closed_form.step_time for c in confirmed if c.closed_form.step_time)
+    if not ratios:
+        return
+    ratio = ratios[len(ratios) // 2]
+    for c in closed:
+        c.estimate = dataclasses.replace(c.closed_form, step_time=c.closed_form.step_time * ratio)
+
+
+def _plan_line(plan: Plan) -> str:
+    return str(plan).splitlines()[0]
+
+
+def _mfu(c: Candidate) -> float:
+    return c.estimate.mfu
+
+
+def _peak(c: Candidate) -> float:
+    return c.estimate.peak_memory
+
+
+
+def needs_plan(mesh: Mesh) -> bool:
+    """A mesh with an axis that does nothing without a plan: today ``tp`` (dp, cp, ep and pp work unplanned)."""
+    return mesh.axes.get("tp", 1) > 1
+
+
+def default_cluster(mesh: Mesh) -> Cluster:
+    """Where ``mesh`` runs: this machine measured for CPU meshes, the GPU's preset for CUDA ones."""
+    if mesh.device == "cuda" and torch.cuda.is_available():
+        name = "a100-80g" if "A100" in torch.cuda.get_device_name() else "h100-sxm"
+        return Cluster.preset(name, gpus=mesh.size)
+    return Cluster.measure(ranks=mesh.size)
+
+
+def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: Cluster | None = None,
+              loss_fn: Any = None) -> Plan:
+    """``plan="auto"``: the search with every axis of ``mesh`` pinned; the plan's ``notes["auto"]`` says why.
+
+    Mixed precision (bf16 on GPU clusters) applies only to a CUDA mesh. On a launched mesh every rank must
+    choose the same plan: the cluster (measured on rank 0 when not
+    given) is broadcast before the search, which is deterministic given it.
+    """
+    cluster = _shared(cluster or default_cluster(mesh), mesh)
+    if cluster.gpus != mesh.size:
+        cluster = cluster.with_gpus(mesh.size)
+    fixed: dict[str, Any] = {axis: mesh.axes.get(axis, 1) for axis in MESH_AXES}
+    if mesh.device != "cuda":
+        fixed["param_dtype"] = None  # a CPU mesh computes in the model's own dtype, whatever the cluster costed
+    best = search(model, example_inputs, cluster, loss_fn=loss_fn, fixed=fixed, top=3)[0]
+    why = "\n    ".join(best.explain().splitlines())
+    return dataclasses.replace(best.plan, notes={"auto": why})
+
+
+def _shared(cluster: Cluster, mesh: Mesh) -> Cluster:
+    import torch.distributed as dist
+
+    if mesh.fake or not dist.is_initialized():
+        return cluster
+    box = [cluster]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

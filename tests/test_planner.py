@@ -1,0 +1,200 @@
+"""The planner: ``fxpar.Cluster``, ``pm.estimate``, tp styles found in the graph, ``fxpar.search``, ``plan="auto"``.
+
+Everything here compiles on fake meshes (no processes): estimates are read off the rank programs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fxpar
+from fxpar.api import compile_program
+from fxpar.cluster import Cluster
+from fxpar.models.llama import hf_llama_plan, llama, llama_plan
+from fxpar.modules import module_table
+from fxpar.stages import block_paths
+from fxpar.testing.error_models import next_token_loss
+from fxpar.tp_styles import find_groups
+
+TOKENS = torch.randint(0, 256, (8, 16))
+H100 = Cluster.preset("h100-sxm", gpus=8)
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                                        use_cache=False))
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+GPT2_MEGATRON = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise",
+                 "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
+def _ledger(pm: fxpar.ParallelModule, rank: int = 0) -> list[tuple]:
+    return [(r.phase, r.op, r.axis, r.shape, r.dtype, r.group) for r in pm.ledger(rank)]
+
+
+# --- Cluster -------------------------------------------------------------------------------------------------
+
+def test_presets_hold_datasheet_figures_and_place_groups_by_node() -> None:
+    h100, a100 = Cluster.preset("h100-sxm", gpus=16), Cluster.preset("a100-80g", gpus=16)
+    assert h100.peak_flops[torch.bfloat16] == 989.4e12 and a100.peak_flops[torch.bfloat16] == 312e12
+    assert h100.hbm_bytes == a100.hbm_bytes == 80e9 and h100.gpus == 16 and h100.gpus_per_node == 8
+    inside, across = h100.link((0, 1, 2, 3)), h100.link((0, 8))
+    assert inside[1] > across[1] and inside[0] < across[0]
+    with pytest.raises(fxpar.PlanError, match="h100-sxm"):
+        Cluster.preset("h100-sx", gpus=8)
+
+
+def test_measure_times_this_machine() -> None:
+    c = Cluster.measure(ranks=2)
+    assert c.device == "cpu" and c.gpus == 2 and set(c.collective_fit) == {2, 4}
+    assert all(v > 0 for v in c.peak_flops.values()) and c.memory_bandwidth > 0
+    latency, bandwidth = c.link((0, 1))
+    assert 0 < latency < 0.1 and bandwidth > 1e6
+    assert Cluster.measure(ranks=2) is c  # cached per process: a plan search must not re-time the machine
+
+
+# --- pm.estimate -----------------------------------------------------------------------------------------------
+
+def test_model_flops_are_six_n_per_sample_for_bias_free_linears() -> None:
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 16, bias=False))
+    x = torch.randn(8, 32)
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (x,), fxpar.Plan())
+    est = pm.estimate(Cluster.preset("h100-sxm", gpus=2))
+    n = sum(p.numel() for p in model.parameters())
+    assert est.model_flops == 6 * n * 8
+    assert est.peak_memory == max(pm.memory(r).peak for r in range(2))
+    assert math.isclose(sum(est.breakdown.values()), est.step_time)
+    assert 0 < est.mfu < 1 and est.tokens_per_s > 0
+
+
+def test_estimate_reads_collectives_and_their_links_from_the_programs() -> None:
+    """A slower tp link exposes more tp communication; replicating over tp exposes none."""
+    plan = fxpar.Plan(tp=llama_plan())
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,), plan)
+    fast = pm.estimate(Cluster.preset("h100-sxm", gpus=2))
+    slow = pm.estimate(Cluster.preset("a100-80g", gpus=2))
+    assert 0 < fast.breakdown["exposed comm tp"] < slow.breakdown["exposed comm tp"]
+    text = str(fast)
+    assert "exposed comm tp" in text and "all_reduce" in text and "Max(F/(P*f), M/(W*h))" in text
+    replicated = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,), fxpar.Plan(tp={}))
+    assert "exposed comm tp" not in replicated.estimate(Cluster.preset("h100-sxm", gpus=2)).breakdown
+
+
+def test_pipeline_bubble_comes_from_the_schedule_simulation() -> None:
+    x = torch.randint(0, 256, (8, 16))
+
+    def bubble(schedule: str, stages: int) -> float:
+        plan = fxpar.Plan(stages=stages, schedule=schedule, microbatches=4)
+        pm = fxpar.parallelize(llama(n_layers=4), fxpar.Mesh({"pp": 2}, fake=True), (x,), plan,
+                               loss_fn=next_token_loss)
+        est = pm.estimate(Cluster.preset("h100-sxm", gpus=2))
+        return est.breakdown["pipeline bubble"] / est.step_time
+
+    one, interleaved = bubble("1f1b", 2), bubble("interleaved-1f1b", 4)
+    assert 0 < interleaved < one
+
+
+def test_estimate_refuses_a_cluster_smaller_than_the_mesh() -> None:
+    pm = fxpar.parallelize(llama(n_layers=1), fxpar.Mesh({"dp": 4}, fake=True), (TOKENS,), fxpar.Plan())
+    with pytest.raises(fxpar.PlanError, match="gpus=2"):
+        pm.estimate(Cluster.preset("h100-sxm", gpus=2))
+
+
+# --- tp styles found in the graph ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build, groups", [
+    (lambda: llama(n_layers=2), ["attn.q, attn.k, attn.v (colwise) -> attn.o (rowwise)",
+                                 "mlp.gate, mlp.up (colwise) -> mlp.down (rowwise)"]),
+    (_hf_llama, ["self_attn.q_proj, self_attn.k_proj, self_attn.v_proj (colwise) -> self_attn.o_proj (rowwise)",
+                 "mlp.gate_proj, mlp.up_proj (colwise) -> mlp.down_proj (rowwise)"]),
+    (_gpt2, ["attn.c_attn (colwise) -> attn.c_proj (rowwise)", "mlp.c_fc (colwise) -> mlp.c_proj (rowwise)"]),
+])
+def test_megatron_groups_are_found_from_dataflow(build, groups) -> None:  # noqa: ANN001
+    model = build()
+    compiled = compile_program(model, fxpar.Mesh({"dp": 1}, fake=True), (TOKENS[:, :16],))
+    found = find_groups(compiled.stages[0], module_table(model), block_paths(model)[0])
+    assert [str(g) for g in found] == groups
+
+
+# --- plan="auto" -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build, megatron", [(_hf_llama, hf_llama_plan()), (_gpt2, GPT2_MEGATRON)])
+def test_auto_finds_the_megatron_layout(build, megatron) -> None:  # noqa: ANN001
+    model, mesh = build(), fxpar.Mesh({"tp": 2}, fake=True)
+    auto = fxpar.parallelize(model, mesh, (TOKENS,), plan="auto", cluster=Cluster.preset("h100-sxm", gpus=2))
+    assert auto.plan.tp == megatron
+    reference = fxpar.parallelize(model, mesh, (TOKENS,), fxpar.Plan(tp=megatron))
+    assert _ledger(auto) == _ledger(reference) and any(r[2] == "tp" for r in _ledger(auto))
+    assert "chosen" in str(auto.plan) and "tensor-parallel groups" in str(auto.plan)
+
+
+def test_no_plan_on_a_tp_mesh_means_auto() -> None:
+    """``parallelize(model, Mesh({"tp": 2}), inputs)`` used to replicate everything silently."""
+    pm = fxpar.parallelize(_hf_llama(), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,))
+    assert pm.plan.tp and "auto" in pm.plan.notes
+    assert any(r.axis == "tp" for r in pm.ledger(0))
+
+
+def test_auto_replicates_when_reductions_cost_more_than_the_compute_they_divide() -> None:
+    """A tp link much slower than memory: each group's reductions cost more than sharding saves."""
+    slow = Cluster("slow tp link", gpus=2, gpus_per_node=2, peak_flops={torch.float32: 1e15},
+                   hbm_bytes=80e9, hbm_bandwidth=1e13, intra_bandwidth=1e6, intra_latency=1e-3,
+                   inter_bandwidth=1e6, inter_latency=1e-3, device="cpu")
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,), plan="auto", cluster=slow)
+    assert pm.plan.tp == {} and not any(r.axis == "tp" for r in pm.ledger(0))
+    assert "replicate: sharding the groups saves" in pm.plan.notes["auto"]
+
+
+# --- fxpar.search ----------------------------------------------------------------------------------------------
+
+def test_search_ranks_meshes_and_plans_that_compile() -> None:
+    x = torch.randint(0, 256, (16, 32))
+    cands = fxpar.search(llama(n_layers=4, hidden=128, intermediate=256), (x,), H100, loss_fn=next_token_loss,
+                         example_targets=x, top=4)
+    assert 1 <= len(cands) <= 4 and cands[0].confirmed
+    for c in cands:
+        assert math.prod(c.mesh.values()) == 8 and isinstance(c.plan, fxpar.Plan)
+        assert c.plan.param_dtype == torch.bfloat16  # GPU presets assume bf16 mixed precision
+    best = cands[0]
+    pm = fxpar.parallelize(llama(n_layers=4, hidden=128, intermediate=256), fxpar.Mesh(best.mesh, fake=True), (x,),
+                           best.plan, loss_fn=next_token_loss)
+    assert math.isclose(pm.estimate(H100).step_time, best.estimate.step_time, rel_tol=1e-9)
+    text = best.explain()
+    assert "chosen" in text and "pruned families" in text and "searched" in text
+
+
+def test_search_holds_what_fixed_pins() -> None:
+    x = torch.randint(0, 256, (16, 32))
+    cands = fxpar.search(llama(n_layers=4), (x,), H100, loss_fn=next_token_loss, fixed={"tp": 2, "zero": 1,
+                         "param_dtype": torch.float32}, top=3, confirm=1)
+    for c in cands:
+        assert c.mesh.get("tp") == 2 and c.plan.zero in (1,) and c.plan.param_dtype == torch.float32
+
+
+def test_search_errors_name_the_field_or_the_memory() -> None:
+    x = torch.randint(0, 256, (16, 32))
+    with pytest.raises(fxpar.PlanError, match="did you mean 'zero'"):
+        fxpar.search(llama(n_layers=2), (x,), H100, fixed={"zeroo": 1})
+    with pytest.raises(fxpar.PlanError, match=r"fixed\['tp'\]=3"):
+        fxpar.search(llama(n_layers=2), (x,), H100, fixed={"tp": 3})
+    tiny = Cluster.preset("h100-sxm", gpus=2)
+    tiny = Cluster(**{**tiny.__dict__, "hbm_bytes": 1e3})
+    with pytest.raises(fxpar.PlanError, match="smallest per-rank memory found is .* dominated by"):
+        fxpar.search(llama(n_layers=2), (x,), tiny, loss_fn=next_token_loss)
