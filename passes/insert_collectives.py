@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import torch
+import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.ir import Placements, Program, Step, consumed_tensors
 from fxpar.pass_context import Context
+
+aten = torch.ops.aten
 
 
 def insert_collectives(prog: Program, ctx: Context) -> Program:
@@ -14,10 +18,13 @@ def insert_collectives(prog: Program, ctx: Context) -> Program:
 
     Requires: ``propagate`` (placements and arg_placements).
     Ensures: ``notes["redistribute"][(consumer, arg position)] = (producer, dst, steps)``; the
-    same producer redistributed to the same placement is computed once by ``lower``.
+    same producer redistributed to the same placement is computed once by ``lower``, and so is a view that
+    repeats an earlier one (the same op of the same input: each of q, k and v flattens the same activation):
+    its consumers read the earlier view's redistribution, so sequence parallelism gathers it once.
     Raises NotImplementedError for a placement change with two mesh axes sharding one dim.
     """
     plan: dict[tuple[str, int], tuple[str, Placements, tuple[Step, ...]]] = {}
+    first_view: dict[tuple[object, ...], str] = {}
     for node in prog.graph.nodes:
         required = prog.arg_placements.get(node.name)
         if required is None:
@@ -34,8 +41,28 @@ def insert_collectives(prog: Program, ctx: Context) -> Program:
                     steps = steps_between(prog.mesh.names, src, dst)
                 except NotImplementedError as e:
                     raise NotImplementedError(f"{e} ({arg.name} -> {node.name}, {node.target})") from None
-                plan[(node.name, pos)] = (arg.name, dst, steps)
+                plan[(node.name, pos)] = (_first_of(arg, src, first_view), dst, steps)
     return prog.replace("insert_collectives", notes={**prog.notes, "redistribute": plan})
+
+
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default, aten.transpose.int,
+         aten.permute.default, aten.unsqueeze.default}
+
+
+def _first_of(arg: fx.Node, src: Placements, first_view: dict[tuple[object, ...], str]) -> str:
+    """The earliest redistributed view equal to ``arg`` (same op, input, arguments and placement), else ``arg``."""
+    if arg.op != "call_function" or arg.target not in VIEWS:
+        return arg.name
+    key = (arg.target, _key(arg.args), _key(tuple(sorted(arg.kwargs.items()))), tuple(src))
+    return first_view.setdefault(key, arg.name)
+
+
+def _key(x: object) -> object:
+    if isinstance(x, fx.Node):
+        return ("node", x.name)
+    if isinstance(x, (list, tuple)):
+        return tuple(_key(v) for v in x)
+    return x
 
 
 def steps_between(axes: tuple[str, ...], src: Placements, dst: Placements) -> tuple[Step, ...]:
