@@ -49,7 +49,8 @@ def steps() -> list[Step]:
 
 
 def split_forward_backward(lw: Lowerer, rp: RankProgram) -> RankProgram:
-    fwd, bwd, saved = split_joint(rp.joint, lw.prog.signature.num_outputs, lw.root)
+    casts = len(lw.prog.signature.params) if (lw.prog.notes.get("mixed_precision") or (None,))[0] else 0
+    fwd, bwd, saved = split_joint(rp.joint, lw.prog.signature.num_outputs, lw.root, casts)
     return dataclasses.replace(rp, forward=fwd, backward=bwd, saved=saved)
 
 

@@ -8,7 +8,7 @@ import torch.fx as fx
 from fxpar.ir import graph_module
 
 
-def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
+def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module, recompute_casts: int = 0
                 ) -> tuple[fx.GraphModule, fx.GraphModule, list[str]]:
     """Forward graph: fwd-phase nodes, returning user outputs + saved values. Backward graph:
     saved values + tangents -> gradients.
@@ -16,7 +16,10 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     A forward value computed from ZeRO-3 parameter shards alone (their all-gather, a transpose of the
     gathered weight) is not saved: the backward recomputes it from the shards (FSDP's re-gather). So
     is every node the ``recompute`` pass chose (``meta["fxpar_recompute"]``, with the collectives lowering
-    emitted for it). Recomputed copies carry ``meta["recomputed"]``.
+    emitted for it). Recomputed copies carry ``meta["recomputed"]``. With ``recompute_casts = n`` (mixed
+    precision: the first ``n`` placeholders are the parameters), a forward value computed from parameters
+    alone (each weight's cast to ``param_dtype`` and its transposes) is recomputed too, so every microbatch in
+    flight keeps no copy of the weights of its own.
     """
     out_node = joint.graph.output_node()
     outs = out_node.args[0]
@@ -26,6 +29,9 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
     saved: list[fx.Node] = []
 
     from_shards = from_zero3_shards(joint.graph) | {n for n in joint.graph.nodes if n.meta.get("fxpar_recompute")}
+    if recompute_casts:
+        params = [n for n in joint.graph.nodes if n.op == "placeholder"][:recompute_casts]
+        from_shards |= _derived(joint.graph, set(params))
 
     def bwd_arg(n: fx.Node) -> fx.Node:
         if n not in benv and n in from_shards:  # recompute it in the backward instead of saving it
@@ -55,7 +61,11 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module
 
 def from_zero3_shards(graph: fx.Graph) -> set[fx.Node]:
     """Forward nodes computed from ZeRO-3 parameter shards alone (the shard placeholders excluded)."""
-    shards = {n for n in graph.nodes if n.op == "placeholder" and n.meta.get("zero3_shard")}
+    return _derived(graph, {n for n in graph.nodes if n.op == "placeholder" and n.meta.get("zero3_shard")})
+
+
+def _derived(graph: fx.Graph, shards: set[fx.Node]) -> set[fx.Node]:
+    """Forward nodes computed from ``shards`` alone."""
     derived: set[fx.Node] = set()
     for n in graph.nodes:
         if n.op == "call_function" and n.meta.get("phase") != "bwd" and n.all_input_nodes \
