@@ -264,9 +264,10 @@ def _cost_model(exported: Any) -> Callable[[fx.Node], float]:
 
 
 def _with_sequence(prog: Program, user_inputs: list[Any]) -> Program:
-    """Record the sequence length a cp axis splits (dim 1 of the first user input of two or more dims) in
-    ``notes["sequence"]``: every pipeline stage splits the same sequence, whatever it receives."""
-    if prog.mesh.axes.get(CONTEXT_AXIS, 1) == 1:
+    """Record the sequence length a cp axis, or sequence parallelism at a stage boundary, splits (dim 1 of the
+    first user input of two or more dims) in ``notes["sequence"]``: every pipeline stage splits the same
+    sequence, whatever it receives."""
+    if prog.mesh.axes.get(CONTEXT_AXIS, 1) == 1 and prog.mesh.axes.get("tp", 1) == 1:
         return prog
     seq = next((x.shape[1] for x in user_inputs if isinstance(x, torch.Tensor) and x.ndim >= 2), None)
     return prog.replace(notes={**prog.notes, "sequence": seq})

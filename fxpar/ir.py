@@ -127,11 +127,13 @@ def tensor_val(n: Any) -> torch.Tensor | None:
     return None
 
 
-def batch_placements(val: torch.Tensor, mesh: Mesh, batch: int | None = None, seq: int | None = None) -> Placements:
+def batch_placements(val: torch.Tensor, mesh: Mesh, batch: int | None = None, seq: int | None = None,
+                     sp_seq: int | None = None) -> Placements:
     """Placements of a model output or a stage boundary value: batch-sharded (dim 0) on ``dp`` (and ``ep``) where
     dp divides it or it is a multiple of the global ``batch`` (split as ``fxpar.split`` says), sequence-sharded
     (dim 1) on ``cp`` where dim 1 is the sequence ``seq`` (stage boundaries: a model output is whole over cp),
-    replicated on every other axis."""
+    and on ``tp`` where sequence parallelism holds a ``[batch, sp_seq, hidden]`` stage boundary (so each tp rank
+    sends its sequence piece, Megatron's scatter-gather), replicated on every other axis."""
     from torch.distributed.tensor import Replicate, Shard
 
     def batched(n: int) -> bool:
@@ -142,9 +144,20 @@ def batch_placements(val: torch.Tensor, mesh: Mesh, batch: int | None = None, se
             return Shard(0)
         if axis == "cp" and n > 1 and seq is not None and val.ndim >= 2 and val.shape[1] == seq:
             return Shard(1)
+        if axis == "tp" and n > 1 and sp_seq is not None and val.ndim == 3 and val.shape[1] == sp_seq >= n:
+            return Shard(1)
         return Replicate()
 
     return tuple(placed(a, n) for a, n in mesh.axes.items())
+
+
+def sp_boundary(prog: Program, ctx: Any) -> int | None:
+    """The sequence length a pipeline stage boundary is sharded on over tp (sequence parallelism without a cp
+    axis, which holds the sequence dim itself); None otherwise."""
+    mesh = prog.mesh
+    if not ctx.plan.sequence_parallel or mesh.axes.get("tp", 1) < 2 or mesh.axes.get("cp", 1) > 1:
+        return None
+    return prog.notes.get("sequence")
 
 
 def py_name(fqn: str) -> str:

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from fxpar.errors import PlanError, close_matches
-from fxpar.ir import Program, batch_placements
+from fxpar.ir import Program, batch_placements, sp_boundary
 from fxpar.pass_context import Context
 from fxpar.plan import SUPPORTED_AXES, check_shardable, param_tp_placement, resolve_plan
 from fxpar.split import CONTEXT_AXIS, sequence_length
@@ -64,7 +64,7 @@ def annotate(prog: Program, ctx: Context) -> Program:
         if not isinstance(val, torch.Tensor):  # a non-tensor input (None, a flag): a constant, nothing to place
             continue
         if i < received:  # a stage boundary: placed as the previous stage's output was (batch_placements)
-            placements[name] = batch_placements(val, mesh, seq=sequence_length(prog))
+            placements[name] = batch_placements(val, mesh, seq=sequence_length(prog), sp_seq=sp_boundary(prog, ctx))
             continue
         # the batch: dim 0 of the first input, and of every input as long (a [1, s] position table is not)
         batch = Shard(0) if val.ndim >= 1 and val.shape[0] == global_batch else Replicate()

@@ -40,7 +40,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.errors import FxparWarning
-from fxpar.ir import Program, batch_placements, tensor_val
+from fxpar.ir import Program, batch_placements, sp_boundary, tensor_val
 from fxpar.pass_context import Context
 from fxpar.rules import Candidate, candidates
 from fxpar.rules.batch_views import batch_view_candidate
@@ -85,7 +85,8 @@ def propagate(prog: Program, ctx: Context) -> Program:
     split = splitter(prog)
     stage = prog.notes.get("stage")
     boundary = stage is not None and stage.index < stage.n_stages - 1  # outputs go to the next stage, cp-sharded
-    outputs = _output_targets(prog, placements, split.batch, split.seq if boundary else None)
+    outputs = _output_targets(prog, placements, split.batch, split.seq if boundary else None,
+                              sp_boundary(prog, ctx) if boundary else None)
     stream = prog.notes.get("sequence_parallel", frozenset())
     local = TokenLocal(prog, list(ctx.modules.of_kind("experts")))
     context = ContextPolicy(split.seq) if split.seq else None
@@ -155,9 +156,11 @@ def _replicated(prog: Program) -> tuple[Placement, ...]:
     return tuple(Replicate() for _ in prog.mesh.names)
 
 
-def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None, seq: int | None) -> list[Any]:
-    """Forward outputs: batch-sharded on dp, sequence-sharded on cp when they go to another pipeline stage
-    (``seq``), replicated elsewhere. Gradients: like the param (or the received value)."""
+def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None, seq: int | None,
+                    sp_seq: int | None = None) -> list[Any]:
+    """Forward outputs: batch-sharded on dp, sequence-sharded on cp (``seq``) and, under sequence parallelism, on
+    tp (``sp_seq``) when they go to another pipeline stage, replicated elsewhere. Gradients: like the param (or
+    the received value)."""
     out = prog.graph.output_node().args[0]
     sig = prog.signature
     grad_of = {i: name for (fqn, i) in sig.grads for (f, name) in sig.params if f == fqn}
@@ -168,7 +171,7 @@ def _output_targets(prog: Program, placements: dict[str, Any], batch: int | None
         if val is None:
             targets.append(None)
         elif i < sig.num_outputs:
-            targets.append(batch_placements(val, prog.mesh, batch, seq))
+            targets.append(batch_placements(val, prog.mesh, batch, seq, sp_seq))
         else:
             targets.append(placements[grad_of[i]])
     return targets

@@ -51,6 +51,22 @@ def test_pp2_dp2_tp2_matches_single_device() -> None:
            fxpar.Plan(tp=llama_plan(), schedule="1f1b", microbatches=2), _tokens())
 
 
+def test_pp_with_sequence_parallel_sends_sequence_pieces() -> None:
+    """Under SP a stage boundary is sharded on the sequence over tp (Megatron's scatter-gather): each tp rank
+    sends its piece, and the pipeline still matches the single device."""
+    plan = fxpar.Plan(tp=llama_plan(), sequence_parallel=True, microbatches=2)
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"pp": 2, "tp": 2}, fake=True), (_tokens(),), plan,
+                           loss_fn=next_token_loss)
+    sends = [r for r in pm.ledger(0) if r.op == "send"]
+    assert sends and all(r.shape == (4, 8, 64) for r in sends)  # microbatch 4, sequence 16 over tp=2, hidden 64
+    _check(partial(llama, n_layers=2), {"pp": 2, "tp": 2}, plan, _tokens())
+
+
+def test_pp_cp_tp_with_sequence_parallel_matches_single_device() -> None:
+    plan = fxpar.Plan(tp=llama_plan(), sequence_parallel=True, microbatches=2)
+    _check(partial(llama, n_layers=2), {"pp": 2, "cp": 2, "tp": 2}, plan, _tokens(batch=4))
+
+
 def test_split_by_module_path_with_dp() -> None:
     # an MLP has no repeated blocks: name the module that starts stage 1
     torch.manual_seed(1)
