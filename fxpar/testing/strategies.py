@@ -264,7 +264,8 @@ CONTEXT_MESHES = ({"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2})
 def context_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], Any, int]:
     """Context parallel: a Llama-style decoder (hidden >= 8) whose sequence is a multiple of ``2 * cp`` (the
     load-balanced chunks), on cp alone, cp=4, dp=2 x cp=2 or cp=2 x tp=2 with a random tp plan (dims tp need not
-    divide), with ZeRO (with dp) and one or two microbatches; (spec, mesh, ``fxpar.Plan``, batch)."""
+    divide) and sequence parallel or not, with ZeRO (with dp) and one or two microbatches; (spec, mesh,
+    ``fxpar.Plan``, batch)."""
     import fxpar
 
     mesh = draw(st.sampled_from(CONTEXT_MESHES))
@@ -274,7 +275,8 @@ def context_cases(draw: st.DrawFn) -> tuple[TransformerSpec, dict[str, int], Any
     m = draw(st.sampled_from([1, 2]))
     batch = mesh.get("dp", 1) * m * draw(st.sampled_from([1, 2]))
     zero = draw(st.sampled_from([0, 1, 3])) if "dp" in mesh else 0
-    return spec, mesh, fxpar.Plan(tp=tp or {}, microbatches=m, zero=zero), batch
+    sp = draw(st.booleans()) if "tp" in mesh else False
+    return spec, mesh, fxpar.Plan(tp=tp or {}, microbatches=m, zero=zero, sequence_parallel=sp), batch
 
 
 @dataclass(frozen=True)
@@ -315,8 +317,8 @@ EXPERT_MESHES = ({"ep": 2}, {"ep": 4}, {"dp": 2, "ep": 2}, {"ep": 2, "dp": 2}, {
 @st.composite
 def expert_cases(draw: st.DrawFn) -> tuple[MoESpec, dict[str, int], Any, int]:
     """Expert parallel: HF Mixtral with ``ep * {1, 2}`` experts, top-1 to top-3 routing, silu or gelu experts, on ep
-    alone, ep=4, dp x ep in either mesh order, or ep=2 x tp=2 with HF's tp plan; one or two microbatches and a batch
-    of ``dp * ep * m * {1, 2}``; (spec, mesh, ``fxpar.Plan``, batch)."""
+    alone, ep=4, dp x ep in either mesh order (with ZeRO 0, 1 or 3), or ep=2 x tp=2 with HF's tp plan; one or two
+    microbatches and a batch of ``dp * ep * m * {1, 2}``; (spec, mesh, ``fxpar.Plan``, batch)."""
     import fxpar
 
     mesh = draw(st.sampled_from(EXPERT_MESHES))
@@ -328,4 +330,5 @@ def expert_cases(draw: st.DrawFn) -> tuple[MoESpec, dict[str, int], Any, int]:
                    seq=draw(st.sampled_from([4, 8])))
     m = draw(st.sampled_from([1, 2]))
     batch = mesh.get("dp", 1) * mesh["ep"] * m * draw(st.sampled_from([1, 2]))
-    return spec, mesh, fxpar.Plan(tp="hf" if "tp" in mesh else {}, microbatches=m), batch
+    zero = draw(st.sampled_from([0, 1, 3])) if "dp" in mesh else 0
+    return spec, mesh, fxpar.Plan(tp="hf" if "tp" in mesh else {}, microbatches=m, zero=zero), batch
