@@ -8,13 +8,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.auto import auto_plan, needs_plan
 from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, compile_model
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.runtime import ParallelModule
-from fxpar.search import auto_plan, needs_plan
 from fxpar.verify import verify
 
 

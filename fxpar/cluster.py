@@ -50,6 +50,7 @@ class Cluster:
     hbm_fraction: float = 1.0
     link_fraction: float = 1.0
     device: str = "cuda"
+    op_overhead: float = 0.0  # s per executed op (eager dispatch; presets: 0, kernels queue ahead of the GPU)
     collective_fit: dict[int, tuple[float, float]] = field(default_factory=dict)
     source: str = ""
 
@@ -73,8 +74,9 @@ class Cluster:
         """This machine, timed: ``ranks`` processes sharing its cores, gloo between them (cached per process).
 
         Matmul FLOP/s (fp32, bf16) and copy bandwidth are measured with all threads and divided by
-        ``ranks``; gloo all-reduce latency and bandwidth are fitted for groups of 2 and 4 (threads of this
-        process, each with its own gloo group on a local store).
+        ``ranks``; the cost of dispatching one eager op is measured too (times ranks per core beyond one);
+        gloo all-reduce latency and bandwidth are fitted for groups of 2 and 4 (threads of this process, each
+        with its own gloo group on a local store).
         """
         key = ranks
         if key not in _MEASURED:
@@ -150,11 +152,12 @@ def _measure(ranks: int) -> Cluster:
     flops = {dtype: _matmul_flops(dtype) / ranks for dtype in (torch.float32, torch.bfloat16)}
     bandwidth = _copy_bandwidth() / ranks
     fit = {n: _allreduce_fit(n) for n in (2, 4)}
+    overhead = _op_overhead() * max(1.0, ranks / (os.cpu_count() or 1))  # ranks beyond the cores queue for one
     latency, bw = fit[2]
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks if hasattr(os, "sysconf") else 8 * GB
     return Cluster(name="this machine (measured)", gpus=ranks, gpus_per_node=ranks, peak_flops=flops,
                    hbm_bytes=memory, hbm_bandwidth=bandwidth, intra_bandwidth=bw, intra_latency=latency,
-                   inter_bandwidth=bw, inter_latency=latency, device="cpu", collective_fit=fit,
+                   inter_bandwidth=bw, inter_latency=latency, device="cpu", op_overhead=overhead, collective_fit=fit,
                    source=f"Cluster.measure(ranks={ranks}) on {os.cpu_count()} cores, torch {torch.__version__}")
 
 
@@ -171,6 +174,12 @@ def _matmul_flops(dtype: torch.dtype, n: int = 512) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     return 2 * n**3 / _best_of(lambda: a @ b)
+
+
+def _op_overhead(calls: int = 200) -> float:
+    """Seconds of one eager op on a tiny tensor: PyTorch's dispatch, which every node of a rank program pays."""
+    a, b = torch.ones(4), torch.ones(4)
+    return _best_of(lambda: [torch.add(a, b) for _ in range(calls)]) / calls
 
 
 def _copy_bandwidth(numel: int = 1 << 23) -> float:

@@ -3,8 +3,9 @@
 The formulas are sympy expressions (``FORMULAS``), printed by ``pm.estimate`` and evaluated through
 ``lambdify``:
 
-* a compute node takes ``max(F / (P f), M / (W h))``: its FLOPs over the achievable matmul rate in its
-  dtype, or the bytes it reads and writes over the achievable memory bandwidth, whichever is longer;
+* a compute node takes ``max(F / (P f), M / (W h)) + o``: its FLOPs over the achievable matmul rate in its
+  dtype, or the bytes it reads and writes over the achievable memory bandwidth, whichever is longer, plus the
+  cluster's per-op dispatch overhead ``o`` (measured on CPU; 0 on the GPU presets);
 * a collective over a group of ``n`` ranks moving a tensor of ``B`` bytes (the full tensor it reduces
   or produces) runs the ring algorithm: ``2 (n-1)`` steps for an all-reduce, ``n-1`` for all-gather,
   reduce-scatter and all-to-all, each paying the link latency ``a`` and ``B / n`` bytes at bandwidth ``b``;
@@ -21,11 +22,11 @@ from fxpar.cluster import Cluster
 from fxpar.memory import VIEW_OPS
 
 aten = torch.ops.aten
-F_, P_, f_, M_, W_, h_ = sympy.symbols("F P f M W h", positive=True)
+F_, P_, f_, M_, W_, h_, o_ = sympy.symbols("F P f M W h o", nonnegative=True)
 n_, B_, a_, b_ = sympy.symbols("n B a b", positive=True)
 
 FORMULAS: dict[str, sympy.Expr] = {
-    "compute": sympy.Max(F_ / (P_ * f_), M_ / (W_ * h_)),
+    "compute": sympy.Max(F_ / (P_ * f_), M_ / (W_ * h_)) + o_,
     "all_reduce": 2 * (n_ - 1) * (a_ + B_ / (n_ * b_)),
     "all_gather": (n_ - 1) * (a_ + B_ / (n_ * b_)),
     "reduce_scatter": (n_ - 1) * (a_ + B_ / (n_ * b_)),
@@ -44,8 +45,8 @@ def formula_text() -> list[str]:
     """The closed forms, one line each, with what the symbols mean."""
     lines = [f"  {op:<15} t = {expr}" for op, expr in FORMULAS.items()]
     lines.append("  (F FLOPs, P peak FLOP/s in the node's dtype, f achievable fraction, M bytes read+written, W memory "
-                 "bandwidth, h its fraction; n group size, B bytes of the full tensor, a link latency per step, b link "
-                 "bandwidth)")
+                 "bandwidth, h its fraction, o per-op overhead; n group size, B bytes of the full tensor, a link "
+                 "latency per step, b link bandwidth)")
     return lines
 
 
@@ -93,7 +94,7 @@ def compute_time(n: fx.Node, cluster: Cluster) -> tuple[float, float]:
     if not flops and not moved:
         return 0.0, 0.0
     t_math = flops / cluster.flops(_dtype(n)) if flops else 0.0
-    return max(t_math, moved / cluster.memory_bandwidth), flops
+    return max(t_math, moved / cluster.memory_bandwidth) + cluster.op_overhead, flops
 
 
 def _tensor(x: object) -> torch.Tensor:

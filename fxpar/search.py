@@ -21,89 +21,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from fxpar.candidates import Candidate, SearchReport, plan_line
 from fxpar.closed_form import Choice, ClosedForm, evaluate
 from fxpar.cluster import Cluster
 from fxpar.compiled import compile_model
 from fxpar.errors import PlanError, close_matches
-from fxpar.estimate import Estimate, estimate
+from fxpar.estimate import estimate
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.profile import ModelProfile, profile_model
 
 MESH_AXES = ("pp", "dp", "cp", "ep", "tp")
 PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "notes")
-SEARCHED = ("tp", "sequence_parallel", "zero", "stages", "schedule", "microbatches", "recompute")
-
-
-@dataclass
-class Candidate:
-    """One searched plan: ``.mesh`` (axis sizes), ``.plan``, ``.estimate`` (compiled when ``.confirmed``)."""
-
-    mesh: dict[str, int]
-    plan: Plan
-    estimate: Estimate | ClosedForm
-    closed_form: ClosedForm
-    choice: Choice
-    confirmed: bool
-    report: SearchReport = field(repr=False)
-
-    @property
-    def step_time(self) -> float:
-        return self.estimate.step_time
-
-    def explain(self) -> str:
-        """Why this candidate wins: its breakdown next to the runners-up, and what ruled out each pruned family."""
-        return self.report.explain(self)
-
-
-@dataclass
-class SearchReport:
-    """What one search did: the candidates kept, the pruned families and why, the tp decisions, timings."""
-
-    cluster: Cluster
-    profile: ModelProfile
-    candidates: list[Candidate] = field(default_factory=list)
-    pruned: dict[str, str] = field(default_factory=dict)
-    tp_decisions: dict[int, str] = field(default_factory=dict)
-    failed: list[str] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)
-    evaluated: int = 0
-
-    def explain(self, chosen: Candidate) -> str:
-        lines = [f"chosen: mesh {chosen.mesh}, {_plan_line(chosen.plan)}",
-                 f"  on {self.cluster}",
-                 f"  {'compiled estimate' if chosen.confirmed else 'closed form'}: step "
-                 f"{chosen.step_time * 1e3:.2f} ms, MFU {_mfu(chosen):.1%}, peak memory "
-                 f"{_peak(chosen) / 2**30:.2f} GiB per rank"]
-        if isinstance(chosen.estimate, Estimate):
-            lines += ["  " + ln for ln in str(chosen.estimate).splitlines()[1:] if not ln.startswith("  formulas")
-                      and "t = " not in ln and "(F FLOPs" not in ln]
-        lines.append("runners-up (step time, MFU, peak memory per rank):")
-        for c in self.candidates:
-            if c is chosen:
-                continue
-            how = "compiled" if c.confirmed else "closed form"
-            slower = c.step_time / chosen.step_time if chosen.step_time else float("inf")
-            lines.append(f"  {c.mesh} {_plan_line(c.plan)}: {c.step_time * 1e3:.2f} ms ({slower:.2f}x, {how}), "
-                         f"MFU {_mfu(c):.1%}, {_peak(c) / 2**30:.2f} GiB")
-        if self.tp_decisions:
-            lines.append("tensor-parallel groups (found in the graph):")
-            lines += [f"  {g}" for g in self.profile.groups] or ["  none: no matmul feeds another inside a block"]
-            lines += [f"  tp={tp}: {why}" for tp, why in sorted(self.tp_decisions.items())]
-        if self.pruned:
-            lines.append("pruned families:")
-            lines += [f"  {family}: {why}" for family, why in self.pruned.items()]
-        if self.failed:
-            lines.append("candidates that failed to compile:")
-            lines += [f"  {f}" for f in self.failed]
-        lines.append(f"searched {self.evaluated} closed-form candidates in "
-                     + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
-        return "\n".join(lines)
 
 
 def search(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, loss_fn: Any = None,
@@ -346,7 +279,7 @@ def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster
                 compiled = compile_model(model, Mesh(mesh, fake=True), inputs, plan, loss_fn)
                 est = estimate(compiled, cluster)
             except Exception as e:  # noqa: BLE001  (a candidate the compiler refuses is reported, not fatal)
-                report.failed.append(f"{mesh} {_plan_line(plan)}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                report.failed.append(f"{mesh} {plan_line(plan)}: {type(e).__name__}: {str(e).splitlines()[0]}")
                 continue
             confirmed.append(Candidate(mesh, plan, est, cf, ch, True, report))
         else:
@@ -371,58 +304,3 @@ def _calibrate(confirmed: list[Candidate], closed: list[Candidate]) -> None:
     ratio = ratios[len(ratios) // 2]
     for c in closed:
         c.estimate = dataclasses.replace(c.closed_form, step_time=c.closed_form.step_time * ratio)
-
-
-def _plan_line(plan: Plan) -> str:
-    return str(plan).splitlines()[0]
-
-
-def _mfu(c: Candidate) -> float:
-    return c.estimate.mfu
-
-
-def _peak(c: Candidate) -> float:
-    return c.estimate.peak_memory
-
-
-
-def needs_plan(mesh: Mesh) -> bool:
-    """A mesh with an axis that does nothing without a plan: today ``tp`` (dp, cp, ep and pp work unplanned)."""
-    return mesh.axes.get("tp", 1) > 1
-
-
-def default_cluster(mesh: Mesh) -> Cluster:
-    """Where ``mesh`` runs: this machine measured for CPU meshes, the GPU's preset for CUDA ones."""
-    if mesh.device == "cuda" and torch.cuda.is_available():
-        name = "a100-80g" if "A100" in torch.cuda.get_device_name() else "h100-sxm"
-        return Cluster.preset(name, gpus=mesh.size)
-    return Cluster.measure(ranks=mesh.size)
-
-
-def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: Cluster | None = None,
-              loss_fn: Any = None) -> Plan:
-    """``plan="auto"``: the search with every axis of ``mesh`` pinned; the plan's ``notes["auto"]`` says why.
-
-    Mixed precision (bf16 on GPU clusters) applies only to a CUDA mesh. On a launched mesh every rank must
-    choose the same plan: the cluster (measured on rank 0 when not
-    given) is broadcast before the search, which is deterministic given it.
-    """
-    cluster = _shared(cluster or default_cluster(mesh), mesh)
-    if cluster.gpus != mesh.size:
-        cluster = cluster.with_gpus(mesh.size)
-    fixed: dict[str, Any] = {axis: mesh.axes.get(axis, 1) for axis in MESH_AXES}
-    if mesh.device != "cuda":
-        fixed["param_dtype"] = None  # a CPU mesh computes in the model's own dtype, whatever the cluster costed
-    best = search(model, example_inputs, cluster, loss_fn=loss_fn, fixed=fixed, top=3)[0]
-    why = "\n    ".join(best.explain().splitlines())
-    return dataclasses.replace(best.plan, notes={"auto": why})
-
-
-def _shared(cluster: Cluster, mesh: Mesh) -> Cluster:
-    import torch.distributed as dist
-
-    if mesh.fake or not dist.is_initialized():
-        return cluster
-    box = [cluster]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -1,0 +1,55 @@
+"""``plan="auto"``: the search with the mesh fixed, and ``plan=None``'s meaning on a mesh that needs a plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from fxpar.cluster import Cluster
+from fxpar.mesh import Mesh
+from fxpar.plan import Plan
+from fxpar.search import MESH_AXES, search
+
+
+def needs_plan(mesh: Mesh) -> bool:
+    """A mesh with an axis that does nothing without a plan: today ``tp`` (dp, cp, ep and pp work unplanned)."""
+    return mesh.axes.get("tp", 1) > 1
+
+
+def default_cluster(mesh: Mesh) -> Cluster:
+    """Where ``mesh`` runs: this machine measured for CPU meshes, the GPU's preset for CUDA ones."""
+    if mesh.device == "cuda" and torch.cuda.is_available():
+        name = "a100-80g" if "A100" in torch.cuda.get_device_name() else "h100-sxm"
+        return Cluster.preset(name, gpus=mesh.size)
+    return Cluster.measure(ranks=mesh.size)
+
+
+def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: Cluster | None = None,
+              loss_fn: Any = None) -> Plan:
+    """``plan="auto"``: the search with every axis of ``mesh`` pinned; the plan's ``notes["auto"]`` says why.
+
+    Mixed precision (bf16 on GPU clusters) applies only to a CUDA mesh. On a launched mesh every rank must
+    choose the same plan: the cluster (measured on rank 0 when not
+    given) is broadcast before the search, which is deterministic given it.
+    """
+    cluster = _shared(cluster or default_cluster(mesh), mesh)
+    if cluster.gpus != mesh.size:
+        cluster = cluster.with_gpus(mesh.size)
+    fixed: dict[str, Any] = {axis: mesh.axes.get(axis, 1) for axis in MESH_AXES}
+    if mesh.device != "cuda":
+        fixed["param_dtype"] = None  # a CPU mesh computes in the model's own dtype, whatever the cluster costed
+    best = search(model, example_inputs, cluster, loss_fn=loss_fn, fixed=fixed, top=3)[0]
+    why = "\n    ".join(best.explain().splitlines())
+    return dataclasses.replace(best.plan, notes={"auto": why})
+
+
+def _shared(cluster: Cluster, mesh: Mesh) -> Cluster:
+    import torch.distributed as dist
+
+    if mesh.fake or not dist.is_initialized():
+        return cluster
+    box = [cluster]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
