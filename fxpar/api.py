@@ -8,10 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.auto import auto_plan, needs_plan
+from fxpar.auto import resolve_plan_arg
 from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, compile_model
-from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.runtime import ParallelModule
@@ -42,10 +41,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     if not mesh.fake:
         mesh.device_mesh()  # validates the world size before any work
         rank = dist.get_rank()
-    if plan == "auto" or (plan is None and needs_plan(mesh)):
-        plan = auto_plan(model, mesh, example_inputs, cluster, loss_fn)
-    elif isinstance(plan, str):
-        raise PlanError(f"plan must be a fxpar.Plan, a dict of module globs to styles, 'auto' or None, got {plan!r}")
+    plan = resolve_plan_arg(plan, model, mesh, example_inputs, cluster, loss_fn)
     compiled = compile_program(model, mesh, example_inputs, plan, loss_fn=loss_fn)
     pm = ParallelModule(compiled, model, rank, loss_fn=loss_fn)
     pm.proof = verify(pm)  # what the collective-order proof checked (ranks, roles, groups, events)
@@ -57,8 +53,10 @@ def compile_program(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[An
                     ) -> Compiled:
     """The global programs every rank lowers: capture, then the pass pipeline (no process group needed).
 
+    ``plan="auto"`` is searched here too (``plan=None`` keeps its single-device defaults).
     ``fxpar.serialize`` turns the result into bytes, so one rank can compile for all of them;
     ``ParallelModule(compiled, model, rank, loss_fn)`` then builds a rank's module from it.
     Ensures: ``compiled.timings`` holds seconds per stage of compilation (capture and each pass).
     """
+    plan = resolve_plan_arg(plan, model, mesh, example_inputs, None, loss_fn, none_means_auto=False)
     return compile_model(model, mesh, example_inputs, plan, loss_fn)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
 
 from fxpar.cluster import Cluster
+from fxpar.errors import CaptureError, FxparWarning, PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.search import MESH_AXES, search
@@ -53,3 +55,25 @@ def _shared(cluster: Cluster, mesh: Mesh) -> Cluster:
     box = [cluster]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def resolve_plan_arg(plan: Any, model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: Cluster | None,
+                     loss_fn: Any, none_means_auto: bool = True) -> Any:
+    """``parallelize``'s ``plan`` argument made concrete: ``"auto"`` searched; ``None`` searched too when the mesh
+    needs a plan (and ``none_means_auto``), falling back to replication with a ``FxparWarning`` if the planner
+    cannot handle the model; any other string is a PlanError."""
+    if plan == "auto":
+        return auto_plan(model, mesh, example_inputs, cluster, loss_fn)
+    if isinstance(plan, str):
+        raise PlanError(f"plan must be a fxpar.Plan, a dict of module globs to styles, 'auto' or None, got {plan!r}")
+    if plan is None and none_means_auto and needs_plan(mesh):
+        try:
+            return auto_plan(model, mesh, example_inputs, cluster, loss_fn)
+        except CaptureError:
+            raise
+        except Exception as e:  # noqa: BLE001  (plan=None must keep working where the planner does not)
+            warnings.warn(f"fxpar: plan=None on a mesh with a tp axis {mesh.describe()} asks the planner, which "
+                          f"could not choose ({type(e).__name__}: {str(e).splitlines()[0]}); every module is "
+                          "replicated over tp. Pass a Plan(tp=...) or plan='auto' to see the error", FxparWarning,
+                          stacklevel=3)
+    return plan
