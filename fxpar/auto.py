@@ -29,14 +29,16 @@ def default_cluster(mesh: Mesh) -> Cluster:
 
 
 def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: Cluster | None = None,
-              loss_fn: Any = None) -> Plan:
+              loss_fn: Any = None, collective: bool = True) -> Plan:
     """``plan="auto"``: the search with every axis of ``mesh`` pinned; the plan's ``notes["auto"]`` says why.
 
     Mixed precision (bf16 on GPU clusters) applies only to a CUDA mesh. On a launched mesh every rank must
-    choose the same plan: the cluster (measured on rank 0 when not
+    choose the same plan: with ``collective`` (every rank calls this) the cluster (measured on rank 0 when not
     given) is broadcast before the search, which is deterministic given it.
     """
-    cluster = _shared(cluster or default_cluster(mesh), mesh)
+    cluster = cluster or default_cluster(mesh)
+    if collective:  # every rank of a launched mesh calls this: they must all cost on the same numbers
+        cluster = _shared(cluster, mesh)
     if cluster.gpus != mesh.size:
         cluster = cluster.with_gpus(mesh.size)
     fixed: dict[str, Any] = {axis: mesh.axes.get(axis, 1) for axis in MESH_AXES}
@@ -62,8 +64,8 @@ def resolve_plan_arg(plan: Any, model: torch.nn.Module, mesh: Mesh, example_inpu
     """``parallelize``'s ``plan`` argument made concrete: ``"auto"`` searched; ``None`` searched too when the mesh
     needs a plan (and ``none_means_auto``), falling back to replication with a ``FxparWarning`` if the planner
     cannot handle the model; any other string is a PlanError."""
-    if plan == "auto":
-        return auto_plan(model, mesh, example_inputs, cluster, loss_fn)
+    if plan == "auto":  # compile_program (none_means_auto False) runs on one rank: no broadcast there
+        return auto_plan(model, mesh, example_inputs, cluster, loss_fn, collective=none_means_auto)
     if isinstance(plan, str):
         raise PlanError(f"plan must be a fxpar.Plan, a dict of module globs to styles, 'auto' or None, got {plan!r}")
     if plan is None and none_means_auto and needs_plan(mesh):

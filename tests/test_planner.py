@@ -198,3 +198,25 @@ def test_search_errors_name_the_field_or_the_memory() -> None:
     tiny = Cluster(**{**tiny.__dict__, "hbm_bytes": 1e3})
     with pytest.raises(fxpar.PlanError, match="smallest per-rank memory found is .* dominated by"):
         fxpar.search(llama(n_layers=2), (x,), tiny, loss_fn=next_token_loss)
+
+
+# --- plan="auto" on real gloo ranks ------------------------------------------------------------------------------
+
+def _auto_on_rank() -> str:
+    """One rank of a launched tp=2 mesh: the cluster is measured, rank 0's numbers are broadcast, the plan chosen."""
+    pm = fxpar.parallelize(_hf_llama(), fxpar.Mesh({"tp": 2}), (TOKENS,), plan="auto")
+    pm(TOKENS)
+    return str(pm.plan).splitlines()[0]
+
+
+def test_auto_on_launched_ranks_chooses_one_plan_for_all() -> None:
+    from fxpar.testing.launch import run_ranks
+
+    plans = run_ranks(_auto_on_rank, 2, timeout=300)
+    assert plans[0] == plans[1] and "colwise" in plans[0]
+
+
+def test_auto_plan_matches_single_device() -> None:
+    from fxpar.testing import assert_equivalent
+
+    assert_equivalent(_hf_llama, {"tp": 2}, "auto", (TOKENS,), steps=2)
