@@ -15,11 +15,12 @@ widths, on the meta device:
   heads, vocab 128256, sequence 8192, 2048 sequences per step, bf16 on H100: TP 8, PP 16, DP 128 at 400
   TFLOP/s per GPU on 16,384 GPUs; DP 64 at 430 on 8,192. fxpar layout: Megatron tp (found by ``plan="auto"``'s
   tp search too) plus a colwise ``lm_head``, sequence parallel, ZeRO-1, interleaved 1F1B with 4 stages per
-  rank, one sequence per microbatch.
+  rank, one sequence per microbatch, ``compile=True`` (costed as Inductor fuses pointwise chains, as Megatron's
+  fused kernels do).
 * **Megatron-LM 1T** (Narayanan et al. 2021, Table 1): GPT, 128 layers, hidden 25600, 160 heads, vocab 51200,
   sequence 2048, batch 3072 on 3,072 A100: TP 8, PP 64, DP 6 at 163 TFLOP/s per GPU counted with the paper's
   ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` (recompute included). fxpar layout: GELU MLP, LayerNorm, Megatron
-  tp, full recompute, interleaved 1F1B with 2 stages per rank, one sequence per microbatch.
+  tp, full recompute, interleaved 1F1B with 2 stages per rank, one sequence per microbatch, ``compile=True``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def llama405(gpus: int, tflops: float) -> Run:
                8192, 2048, {"pp": 16, "dp": dp, "tp": 8},
                {"tp": {**llama_plan(), "lm_head": "colwise"}, "sequence_parallel": True, "zero": 1,
                 "stages": 64, "schedule": "interleaved-1f1b", "microbatches": 2048 // dp,
-                "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}, tflops)
+                "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "compile": True}, tflops)
 
 
 def megatron_1t() -> Run:
@@ -74,7 +75,7 @@ def megatron_1t() -> Run:
                s, b, {"pp": 64, "dp": 6, "tp": 8},
                {"tp": {**GELU_MLP_PLAN, "lm_head": "colwise"}, "recompute": "full", "stages": 128,
                 "schedule": "interleaved-1f1b", "microbatches": 512, "param_dtype": torch.bfloat16,
-                "reduce_dtype": torch.float32}, 163.0, paper)
+                "reduce_dtype": torch.float32, "compile": True}, 163.0, paper)
 
 
 def build(run: Run) -> tuple[torch.nn.Module, tuple[torch.Tensor]]:

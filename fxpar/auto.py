@@ -42,8 +42,8 @@ def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: 
     if cluster.gpus != mesh.size:
         cluster = cluster.with_gpus(mesh.size)
     fixed: dict[str, Any] = {axis: mesh.axes.get(axis, 1) for axis in MESH_AXES}
-    if mesh.device != "cuda":
-        fixed["param_dtype"] = None  # a CPU mesh computes in the model's own dtype, whatever the cluster costed
+    if mesh.device != "cuda":  # a CPU mesh computes in the model's own dtype, eagerly, whatever the cluster costed
+        fixed.update(param_dtype=None, compile=False)
     best = search(model, example_inputs, cluster, loss_fn=loss_fn, fixed=fixed, top=3)[0]
     why = "\n    ".join(best.explain().splitlines())
     return dataclasses.replace(best.plan, notes={"auto": why})

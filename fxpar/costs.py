@@ -87,10 +87,41 @@ def node_bytes(n: fx.Node) -> int:
     return total
 
 
-def compute_time(n: fx.Node, cluster: Cluster) -> tuple[float, float]:
-    """(seconds, FLOPs) of one compute node on one device of ``cluster``."""
+def fused_bytes(n: fx.Node) -> int:
+    """Bytes a pointwise or reduction node moves when Inductor fuses it with its neighbours: only what it reads from
+    a materialized tensor (a matmul's, attention's or collective's output, an input) and what it writes for a
+    consumer outside the fusion."""
+    if not _fusible(n):
+        return node_bytes(n)
+    total = sum(_bytes(a.meta.get("val")) for a in n.all_input_nodes if not _fusible(_source(a)))
+    if any(u.op == "output" or not _fusible(_source_user(u)) for u in n.users):
+        total += _bytes(n.meta.get("val"))
+    return total
+
+
+def _fusible(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target not in _FREE and not node_flops(n)
+            and not str(n.target).startswith("_c10d_functional")
+            and n.target.__class__.__name__ != "builtin_function_or_method")
+
+
+def _source(a: fx.Node) -> fx.Node:
+    while a.op == "call_function" and a.target in _FREE and a.args and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+    return a
+
+
+def _source_user(u: fx.Node) -> fx.Node:
+    """A view's first non-view user (what the view feeds), else the user itself."""
+    while u.op == "call_function" and u.target in _FREE and u.users:
+        u = next(iter(u.users))
+    return u
+
+
+def compute_time(n: fx.Node, cluster: Cluster, fused: bool = False) -> tuple[float, float]:
+    """(seconds, FLOPs) of one compute node on one device of ``cluster`` (``fused``: as Inductor compiles it)."""
     flops = node_flops(n)
-    moved = node_bytes(n)
+    moved = fused_bytes(n) if fused else node_bytes(n)
     if not flops and not moved:
         return 0.0, 0.0
     t_math = flops / cluster.flops(_dtype(n)) if flops else 0.0

@@ -6,7 +6,8 @@ Nothing here describes the model separately: every second comes from a node of a
   (``fxpar.costs``); a collective starts on its group's stream once issued and its stream is free; its
   ``wait_tensor`` holds the compute clock until it is done. So a collective the program overlaps costs
   only what the compute between its issue and its wait does not hide, and a synchronous one costs all
-  of it. Nodes the ``recompute`` pass re-runs in the backward are counted apart.
+  of it. Nodes the ``recompute`` pass re-runs in the backward are counted apart. Under ``Plan(compile=True)``
+  pointwise and reduction chains are costed as Inductor fuses them (``fxpar.costs.fused_bytes``).
 * **One step** is the pipeline schedule (``Schedule.simulate``) with per-(kind, stage) costs of the
   representative rank of each pipeline coordinate (coordinate 0 on every other axis: the largest shards
   when sizes are uneven); each stage boundary transfer is added to the action that sends it. Around it: the
@@ -60,8 +61,10 @@ class GraphTime:
             self.exposed[axis] = self.exposed.get(axis, 0.0) + t * times
 
 
-def graph_time(gm: fx.GraphModule, groups: dict[str, tuple[int, ...]], cluster: Cluster) -> GraphTime:
-    """Walk ``gm`` in order with one compute clock and one stream per collective group (module docstring)."""
+def graph_time(gm: fx.GraphModule, groups: dict[str, tuple[int, ...]], cluster: Cluster,
+               fused: bool = False) -> GraphTime:
+    """Walk ``gm`` in order with one compute clock and one stream per collective group (module docstring);
+    ``fused`` (``Plan(compile=True)``): pointwise chains move only the bytes Inductor's fusion would."""
     out = GraphTime()
     clock = 0.0
     stream_free: dict[str, float] = {}
@@ -83,7 +86,7 @@ def graph_time(gm: fx.GraphModule, groups: dict[str, tuple[int, ...]], cluster: 
                 out.exposed[axis] = out.exposed.get(axis, 0.0) + end - clock
                 clock = end
         else:
-            seconds, flops = compute_time(n, cluster)
+            seconds, flops = compute_time(n, cluster, fused)
             clock += seconds
             out.flops += flops
             if n.meta.get("fxpar_recompute"):
@@ -235,7 +238,7 @@ def _event_graph_time(c: Compiled, rank: int, e: StepEvent, cluster: Cluster,
     key = (e.stage, e.graph)
     if key not in cache:
         rp = c.rank_program(rank, e.stage)
-        cache[key] = graph_time(c.stage_graph(rank, e.stage, e.graph), rp.groups, cluster)
+        cache[key] = graph_time(c.stage_graph(rank, e.stage, e.graph), rp.groups, cluster, fused=c.plan.compile)
     return cache[key]
 
 

@@ -46,7 +46,7 @@ def search(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, los
 
     Requires: ``example_inputs`` with the global batch (dim 0) of one step; ``loss_fn`` for plans with
     pipeline stages. ``fixed`` pins mesh axis sizes (``pp dp cp ep tp``) or Plan fields. On GPU presets
-    plans use bf16 mixed precision (fp32 reduction) unless ``fixed`` sets ``param_dtype``.
+    plans use bf16 mixed precision (fp32 reduction) and ``compile=True`` unless ``fixed`` sets them.
     Ensures: each candidate's plan compiles for its mesh (the first ``confirm`` were compiled and costed
     from their rank programs). Raises PlanError for unknown or contradictory ``fixed`` entries and when no
     plan fits the cluster's memory (naming the smallest per-rank memory found and what dominates it).
@@ -97,11 +97,14 @@ def _check_fixed(fixed: dict[str, Any], cluster: Cluster) -> dict[str, Any]:
 
 
 def _base_fields(fixed: dict[str, Any], cluster: Cluster) -> dict[str, Any]:
-    """Plan fields the search does not vary: fixed ones, and bf16 mixed precision on GPU clusters."""
+    """Plan fields the search does not vary: fixed ones, and on GPU clusters bf16 mixed precision and
+    Inductor-compiled rank programs."""
     base = {k: v for k, v in fixed.items() if k in PLAN_FIELDS and not (k == "tp" and isinstance(v, int))}
     if cluster.device == "cuda" and "param_dtype" not in base:
         base["param_dtype"] = torch.bfloat16
         base.setdefault("reduce_dtype", torch.float32)
+    if cluster.device == "cuda":
+        base.setdefault("compile", True)  # Inductor-fused rank programs, as torchtitan runs by default
     return base
 
 

@@ -97,6 +97,17 @@ def test_estimate_reads_collectives_and_their_links_from_the_programs() -> None:
     assert "exposed comm tp" not in replicated.estimate(Cluster.preset("h100-sxm", gpus=2)).breakdown
 
 
+def test_compiled_programs_are_costed_as_fused() -> None:
+    """Under Plan(compile=True) pointwise chains move only what enters and leaves them: less time, same FLOPs."""
+    def est(compile_: bool) -> fxpar.estimate.Estimate:
+        plan = fxpar.Plan(tp=llama_plan(), compile=compile_)
+        pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,), plan)
+        return pm.estimate(Cluster.preset("h100-sxm", gpus=2))
+
+    eager, fused = est(False), est(True)
+    assert fused.breakdown["compute"] < eager.breakdown["compute"] and fused.model_flops == eager.model_flops
+
+
 def test_pipeline_bubble_comes_from_the_schedule_simulation() -> None:
     x = torch.randint(0, 256, (8, 16))
 
