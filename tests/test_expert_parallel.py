@@ -214,6 +214,15 @@ def test_pipeline_with_ep_matches_single_device() -> None:
                       steps=2, loss_fn=_token_loss, targets=ids)
 
 
+def test_pipeline_with_dp_and_ep_matches_single_device() -> None:
+    # DeepSeek-V3's composition at toy size: pp x dp x ep with ZeRO-1 (8 gloo ranks)
+    ids = hf_families.inputs("mixtral", seed=1)[0]
+    ids = torch.cat([ids, ids.flip(0)])  # a batch dp x ep x microbatches divides
+    plan = fxpar.Plan(stages=2, microbatches=2, zero=1)
+    assert_equivalent(hf_families.mixtral, {"pp": 2, "dp": 2, "ep": 2}, plan, (ids,), steps=2, loss_fn=_token_loss,
+                      targets=ids)
+
+
 @pytest.mark.parametrize("axes,plan,match", [
     ({"cp": 2, "ep": 2}, None, "ep axis with 'cp'"),
     ({"dp": 2, "ep": 2}, fxpar.Plan(fp8="tensorwise"), r"Plan\(fp8='tensorwise'\) with an ep axis"),
