@@ -257,9 +257,9 @@ def plan_of(ch: Choice, profile: ModelProfile, base: dict[str, Any]) -> Plan:
 
 
 def mesh_of(ch: Choice, fixed: dict[str, Any]) -> dict[str, int]:
+    """Axis sizes in mesh order (tp innermost, inside a node): pp, dp and tp always, cp and ep when they are used."""
     axes = {"pp": ch.pp, "dp": ch.dp, "cp": fixed.get("cp", 1), "ep": fixed.get("ep", 1), "tp": ch.tp}
-    kept = {k: v for k, v in axes.items() if v > 1}
-    return kept or {"dp": 1}
+    return {k: v for k, v in axes.items() if v > 1 or k in ("pp", "dp", "tp")}
 
 
 def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster,
