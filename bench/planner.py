@@ -6,7 +6,7 @@
 For each run: the published layout as an ``fxpar.Plan`` is compiled on a fake mesh of the run's size and costed
 by ``pm.estimate`` on the matching preset (``fxpar.Cluster.preset``); the published step time is the run's model
 FLOPs over its GPUs times its published TFLOP/s per GPU. Then ``fxpar.search`` runs on the same model, batch and
-cluster with nothing fixed (timed: profile, closed forms, two full-scale confirmations).
+cluster with nothing fixed (timed: profile, closed forms, three full-scale confirmations).
 
 Models are the bundled Llama (``fxpar.models.llama``, causal SDPA, so no mask tensor is traced) at the runs'
 widths, on the meta device:
@@ -107,7 +107,7 @@ def searched(run: Run, gpus: int) -> dict[str, Any]:
     model, args = build(run)
     cluster = fxpar.Cluster.preset(run.preset, gpus=gpus)
     t = time.perf_counter()
-    cands = fxpar.search(model, args, cluster, loss_fn=next_token_loss, top=5, confirm=2)
+    cands = fxpar.search(model, args, cluster, loss_fn=next_token_loss, top=5)
     took = time.perf_counter() - t
     best = cands[0]
     return {"search_s": took, "mesh": best.mesh, "plan": str(best.plan).splitlines()[0],

@@ -11,9 +11,9 @@ per rank (``(params - L params_block) + L params_block / pp``, the groups' share
 * a pipeline rank runs ``(m + (pp-1)/v)`` microbatch slots of ``L/pp`` blocks (the 1F1B bubble over
   ``v`` interleaved stages), plus the point-to-point sends of each stage boundary;
 * dp: the gradients (fp32) are reduced once per step (all-reduce, or reduce-scatter + all-gather under
-  ZeRO-1/2, the same bytes); ZeRO-3 all-gathers the working copy in the forward and the backward of
-  every microbatch and reduce-scatters every backward. Without pipeline stages the reduction overlaps
-  the last backward;
+  ZeRO-1, the same bytes); ZeRO-2 reduce-scatters after every microbatch's backward; ZeRO-3 also
+  all-gathers the working copy in the forward and the backward of every microbatch. Without pipeline
+  stages the once-per-step reduction overlaps the last backward;
 * memory follows ``pm.memory``: ``16 Psi`` bytes without ZeRO; ZeRO-1 ``(8 + 8/N) Psi + 8 Psi / N``;
   ZeRO-2 ``(4 + 4/N) Psi + 12 Psi / N``; ZeRO-3 ``16 Psi / N`` (fp32 master weights); activations
   ``S L/pp`` saved blocks times the microbatches in flight (pp under 1F1B, m under GPipe), divided by tp
@@ -137,6 +137,9 @@ def _dp_time(p: ModelProfile, ch: Choice, psi: float, cluster: Cluster, last_bac
         gathers = 2 * ch.microbatches * collective_time("all_gather", group, int(psi * 2), cluster)
         scatters = ch.microbatches * collective_time("reduce_scatter", group, int(grads), cluster)
         return max(gathers + scatters - 0.5 * ch.microbatches * last_backward, scatters / ch.microbatches)
+    if ch.zero == 2:  # every microbatch's backward reduce-scatters its gradients; one gather per step
+        scatters = ch.microbatches * collective_time("reduce_scatter", group, int(grads), cluster)
+        return scatters + collective_time("all_gather", group, int(psi * 2), cluster)
     if ch.pp > 1:
         return reduce  # reduced once per step, after the pipeline drains
     return max(reduce - 0.8 * last_backward, 0.0)

@@ -12,7 +12,7 @@
    than its activations cost to reduce over the tp link's bandwidth (the batch-independent regime plans
    are trained in: latency terms vanish as the batch grows); otherwise the block is replicated over tp,
    and ``explain()`` gives both numbers.
-4. **Confirm**: the best few are compiled at full scale on a fake mesh and costed by ``pm.estimate``
+4. **Confirm**: the best three are compiled at full scale on a fake mesh and costed by ``pm.estimate``
    (the rank programs themselves); those come first, ordered by their estimates.
 """
 
@@ -41,7 +41,7 @@ PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "notes
 
 def search(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, loss_fn: Any = None,
            example_targets: Any = None, fixed: dict[str, Any] | None = None, top: int = 5,
-           confirm: int = 2) -> list[Candidate]:
+           confirm: int = 3) -> list[Candidate]:
     """Candidates for ``model`` on ``cluster``, best first (module docstring).
 
     Requires: ``example_inputs`` with the global batch (dim 0) of one step; ``loss_fn`` for plans with

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from functools import cached_property
 
 from tabulate import tabulate
 
@@ -44,9 +45,10 @@ class Schedule:
             raise ValueError(f"rank {rank} out of range [0, {self.pp})")
         return list(range(rank, self.stages, self.pp))
 
-    @property
+    @cached_property
     def has_w(self) -> bool:
-        """True when backward is split into B (input grad) and W (weight grad), as in zb-h1."""
+        """True when backward is split into B (input grad) and W (weight grad), as in zb-h1 (computed once: a
+        step's events ask per action)."""
         return any(a.kind == "W" for rank_actions in self.actions for a in rank_actions)
 
     def compute(self, rank: int) -> list[Action]:
