@@ -23,7 +23,7 @@ the ledger lists exactly the collectives the graphs issue.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -95,22 +95,23 @@ def rank_step(compiled: Compiled, rank: int, actions: list[Action] | None = None
     """Every event ``rank`` performs in one ``pm.step``, in order (``actions``: its schedule's, unless given)."""
     actions = actions if actions is not None else compiled.schedule.actions[compiled.pp_coord(rank)]
     stages = compiled.stage_of_rank(rank)
+    memo: dict[Any, Any] = {}  # per (stage, graph) comms and per (stage, direction) boundaries: same every mb
     each_mb = compiled.plan.zero >= 2  # ZeRO-2 reduces after every backward, not once per step
     last_backward = "W" if compiled.schedule.has_w else "B"
-    events = [_graph_event(compiled, rank, "gather", s, None, "gather_params", f"stage {s} gather_params")
+    events = [_graph_event(compiled, rank, "gather", s, None, "gather_params", f"stage {s} gather_params", memo)
               for s in stages if compiled.rank_program(rank, s).gather_params is not None]
     for a in actions:
         if a.is_compute:
             graph = _graph_name(a.kind, compiled.schedule.has_w)
-            events.append(_graph_event(compiled, rank, a.kind, a.stage, a.mb, graph, str(a)))
+            events.append(_graph_event(compiled, rank, a.kind, a.stage, a.mb, graph, str(a), memo))
             if each_mb and a.kind == last_backward and compiled.rank_program(rank, a.stage).reduce_grads is not None:
                 label = f"{a} reduce_grads"
-                events.append(_graph_event(compiled, rank, "reduce", a.stage, a.mb, "reduce_grads", label))
+                events.append(_graph_event(compiled, rank, "reduce", a.stage, a.mb, "reduce_grads", label, memo))
         else:
-            events.append(_transfer(compiled, rank, a))
+            events.append(_transfer(compiled, rank, a, memo))
     events.append(StepEvent("wait_sends", label="wait for this step's sends"))
     if not each_mb:
-        events += [_graph_event(compiled, rank, "reduce", s, None, "reduce_grads", f"stage {s} reduce_grads")
+        events += [_graph_event(compiled, rank, "reduce", s, None, "reduce_grads", f"stage {s} reduce_grads", memo)
                    for s in stages if compiled.rank_program(rank, s).reduce_grads is not None]
     events += [_tied(compiled, rank, fqn, ranks) for fqn, ranks in tie_ranks(compiled, rank)]
     loss = Comm("all_reduce", tuple(range(compiled.mesh.size)), (), torch.float64, None)
@@ -147,13 +148,16 @@ def _graph_name(kind: str, has_w: bool) -> str:
 
 
 def _graph_event(compiled: Compiled, rank: int, kind: str, stage: int, mb: int | None, graph: str,
-                 label: str) -> StepEvent:
-    rp = compiled.rank_program(rank, stage)
-    phase = "fwd" if graph in ("forward",) else "bwd"
-    comms = graph_comms(compiled.stage_graph(rank, stage, graph), rp.groups)
-    if graph != "gather_params":  # the ledger's phase is the graph's (a recomputed collective re-issues in bwd)
-        comms = tuple(replace(c, row=replace(c.row, phase=phase)) for c in comms)
-    return StepEvent(kind, stage, mb, graph, comms, label)
+                 label: str, memo: dict[Any, Any]) -> StepEvent:
+    key = ("graph", stage, graph)
+    if key not in memo:
+        rp = compiled.rank_program(rank, stage)
+        phase = "fwd" if graph in ("forward",) else "bwd"
+        comms = graph_comms(compiled.stage_graph(rank, stage, graph), rp.groups)
+        if graph != "gather_params":  # the ledger's phase is the graph's (a recomputed collective re-issues in bwd)
+            comms = tuple(replace(c, row=replace(c.row, phase=phase)) for c in comms)
+        memo[key] = comms
+    return StepEvent(kind, stage, mb, graph, memo[key], label)
 
 
 def peer_rank(compiled: Compiled, rank: int, pp_coord: int) -> int:
@@ -169,12 +173,13 @@ def transfer_tag(stage: int, mb: int, direction: str, index: int, microbatches: 
     return ((stage * microbatches + mb) * 2 + (0 if direction == "F" else 1)) * MAX_BOUNDARY_TENSORS + index
 
 
-def _transfer(compiled: Compiled, rank: int, a: Action) -> StepEvent:
+def _transfer(compiled: Compiled, rank: int, a: Action, memo: dict[Any, Any]) -> StepEvent:
     direction = "F" if a.kind.endswith("_F") else "B"
     receiver = a.stage + 1 if direction == "F" else a.stage
-    meta = boundary_meta(compiled.stages[receiver], compiled.mesh.coord(rank))
-    if direction == "B":
-        meta = [b for b in meta if b.has_grad]
+    if ("boundary", receiver, direction) not in memo:
+        meta = boundary_meta(compiled.stages[receiver], compiled.mesh.coord(rank))
+        memo[("boundary", receiver, direction)] = [b for b in meta if b.has_grad] if direction == "B" else meta
+    meta = memo[("boundary", receiver, direction)]
     if len(meta) > MAX_BOUNDARY_TENSORS:
         raise ValueError(f"stage {receiver} receives {len(meta)} boundary tensors; at most {MAX_BOUNDARY_TENSORS} fit "
                          "the transfer tags: choose another stage split")
