@@ -41,14 +41,15 @@ PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "notes
 
 def search(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, loss_fn: Any = None,
            example_targets: Any = None, fixed: dict[str, Any] | None = None, top: int = 5,
-           confirm: int = 3) -> list[Candidate]:
+           confirm: int = 3, budget_s: float = 40.0) -> list[Candidate]:
     """Candidates for ``model`` on ``cluster``, best first (module docstring).
 
     Requires: ``example_inputs`` with the global batch (dim 0) of one step; ``loss_fn`` for plans with
     pipeline stages. ``fixed`` pins mesh axis sizes (``pp dp cp ep tp``) or Plan fields. On GPU presets
     plans use bf16 mixed precision (fp32 reduction) and ``compile=True`` unless ``fixed`` sets them.
     Ensures: each candidate's plan compiles for its mesh (the first ``confirm`` were compiled and costed
-    from their rank programs). Raises PlanError for unknown or contradictory ``fixed`` entries and when no
+    from their rank programs; no further compile starts once ``budget_s`` seconds have passed, but at least
+    one is always confirmed). Raises PlanError for unknown or contradictory ``fixed`` entries and when no
     plan fits the cluster's memory (naming the smallest per-rank memory found and what dominates it).
     """
     started = time.perf_counter()
@@ -62,8 +63,9 @@ def search(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, los
     report.seconds["profile"] = time.perf_counter() - started
     ranked = _rank(profile, cluster, fixed, report)
     report.seconds["closed forms"] = time.perf_counter() - started - report.seconds["profile"]
+    budget = max(budget_s - (time.perf_counter() - started), 0.0)
     candidates = _confirm(model, example_inputs, loss_fn, cluster, ranked, base, profile, fixed, report,
-                          confirm, top)
+                          confirm, top, budget)
     report.seconds["confirm"] = time.perf_counter() - started - sum(report.seconds.values())
     report.candidates = candidates
     return candidates
@@ -264,20 +266,24 @@ def mesh_of(ch: Choice, fixed: dict[str, Any]) -> dict[str, int]:
 
 def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster,
              ranked: list[tuple[ClosedForm, Choice]], base: dict[str, Any], profile: ModelProfile,
-             fixed: dict[str, Any], report: SearchReport, confirm: int, top: int) -> list[Candidate]:
-    """Compile and cost the best ``confirm`` distinct candidates; return ``top``, confirmed ones first."""
+             fixed: dict[str, Any], report: SearchReport, confirm: int, top: int, budget_s: float) -> list[Candidate]:
+    """Compile and cost the best ``confirm`` distinct candidates (at least one; no new one once ``budget_s`` seconds
+    of confirming have passed); return ``top``, confirmed ones first."""
     confirmed: list[Candidate] = []
     closed: list[Candidate] = []
     seen: set[str] = set()
+    deadline = time.perf_counter() + budget_s
     for cf, ch in ranked:
-        if len(confirmed) + len(closed) >= max(top, confirm) and len(confirmed) >= confirm:
+        confirming = len(confirmed) < confirm and len(report.failed) < 4 and \
+            (not confirmed or time.perf_counter() < deadline)
+        if not confirming and len(confirmed) + len(closed) >= top:
             break
         plan, mesh = plan_of(ch, profile, base), mesh_of(ch, fixed)
         key = f"{mesh} {plan}"
         if key in seen:
             continue
         seen.add(key)
-        if len(confirmed) < confirm and len(report.failed) < 4:
+        if confirming:
             try:
                 compiled = compile_model(model, Mesh(mesh, fake=True), inputs, plan, loss_fn)
                 est = estimate(compiled, cluster)
