@@ -6,7 +6,7 @@
 For each run: the published layout as an ``fxpar.Plan`` is compiled on a fake mesh of the run's size and costed
 by ``pm.estimate`` on the matching preset (``fxpar.Cluster.preset``); the published step time is the run's model
 FLOPs over its GPUs times its published TFLOP/s per GPU. Then ``fxpar.search`` runs on the same model, batch and
-cluster with nothing fixed (timed: profile, closed forms, three full-scale confirmations).
+cluster with nothing fixed (timed: profile, closed forms, two or more full-scale confirmations).
 
 Models are the bundled Llama (``fxpar.models.llama``, causal SDPA, so no mask tensor is traced) at the runs'
 widths, on the meta device:

@@ -17,7 +17,8 @@ per rank (``(params - L params_block) + L params_block / pp``, the groups' share
 * memory follows ``pm.memory``: ``16 Psi`` bytes without ZeRO; ZeRO-1 ``(8 + 8/N) Psi + 8 Psi / N``;
   ZeRO-2 ``(4 + 4/N) Psi + 12 Psi / N``; ZeRO-3 ``16 Psi / N`` (fp32 master weights); activations
   ``S L/pp`` saved blocks times the microbatches in flight (pp under 1F1B, m under GPipe), divided by tp
-  under sequence parallelism; full recompute keeps only each block's input.
+  under sequence parallelism; full recompute keeps only each block's input; ZeRO-3 adds every gathered
+  parameter and its bf16 cast (the overlap pass issues all of a graph's gathers early).
 """
 
 from __future__ import annotations
@@ -158,4 +159,6 @@ def memory(p: ModelProfile, ch: Choice, psi: float, samples: float, tp: int) -> 
         saved = p.block_saved / tp if ch.sequence_parallel else p.block_saved * (0.5 + 0.5 / tp)
     activations = samples * in_flight * blocks * saved + samples * p.rest_saved
     transient = samples * (p.block_saved / tp + p.rest_saved)
+    if ch.zero == 3 and n > 1:  # the overlap pass issues every block's gather early: all are alive at once
+        transient += psi * (p.param_bytes + 2)
     return states + activations + transient

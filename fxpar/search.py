@@ -12,8 +12,8 @@
    than its activations cost to reduce over the tp link's bandwidth (the batch-independent regime plans
    are trained in: latency terms vanish as the batch grows); otherwise the block is replicated over tp,
    and ``explain()`` gives both numbers.
-4. **Confirm**: the best three are compiled at full scale on a fake mesh and costed by ``pm.estimate``
-   (the rank programs themselves); those come first, ordered by their estimates.
+4. **Confirm**: the best two (more while none fits) are compiled at full scale on a fake mesh and costed by
+   ``pm.estimate`` (the rank programs themselves); those come first, ordered by their estimates.
 """
 
 from __future__ import annotations
@@ -41,16 +41,17 @@ PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "notes
 
 def search(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, loss_fn: Any = None,
            example_targets: Any = None, fixed: dict[str, Any] | None = None, top: int = 5,
-           confirm: int = 3, budget_s: float = 40.0) -> list[Candidate]:
+           confirm: int = 2, budget_s: float = 40.0) -> list[Candidate]:
     """Candidates for ``model`` on ``cluster``, best first (module docstring).
 
     Requires: ``example_inputs`` with the global batch (dim 0) of one step; ``loss_fn`` for plans with
     pipeline stages. ``fixed`` pins mesh axis sizes (``pp dp cp ep tp``) or Plan fields. On GPU presets
     plans use bf16 mixed precision (fp32 reduction) and ``compile=True`` unless ``fixed`` sets them.
     Ensures: each candidate's plan compiles for its mesh (the first ``confirm`` were compiled and costed
-    from their rank programs; no further compile starts once ``budget_s`` seconds have passed, but at least
-    one is always confirmed). Raises PlanError for unknown or contradictory ``fixed`` entries and when no
-    plan fits the cluster's memory (naming the smallest per-rank memory found and what dominates it).
+    from their rank programs, more while none of those fits in memory; no further compile starts once
+    ``budget_s`` seconds have passed, but at least one is always confirmed). Raises PlanError for unknown or
+    contradictory ``fixed`` entries and when no plan fits the cluster's memory (naming the smallest per-rank
+    memory found and what dominates it).
     """
     started = time.perf_counter()
     fixed = dict(fixed or {})
@@ -274,8 +275,8 @@ def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster
     seen: set[str] = set()
     deadline = time.perf_counter() + budget_s
     for cf, ch in ranked:
-        confirming = len(confirmed) < confirm and len(report.failed) < 4 and \
-            (not confirmed or time.perf_counter() < deadline)
+        wanted = len(confirmed) < confirm or not any(c.estimate.fits for c in confirmed)  # type: ignore[union-attr]
+        confirming = wanted and len(report.failed) < 4 and (not confirmed or time.perf_counter() < deadline)
         if not confirming and len(confirmed) + len(closed) >= top:
             break
         plan, mesh = plan_of(ch, profile, base), mesh_of(ch, fixed)
