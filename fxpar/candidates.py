@@ -54,6 +54,10 @@ class SearchReport:
         if isinstance(chosen.estimate, Estimate):
             lines += ["  " + ln for ln in str(chosen.estimate).splitlines()[1:] if not ln.startswith("  formulas")
                       and "t = " not in ln and "(F FLOPs" not in ln]
+        fastest = min((c for c in self.candidates if c.confirmed), key=lambda c: c.step_time, default=chosen)
+        if fastest is not chosen and fastest.step_time < chosen.step_time:
+            lines.append(f"  preferred to a plan {1 - fastest.step_time / chosen.step_time:.1%} faster: within 5%, "
+                         "the plan with fewer non-default fields wins (fewer things to get wrong, in the model too)")
         lines.append("runners-up (step time, MFU, peak memory per rank):")
         for c in self.candidates:
             if c is chosen:
