@@ -341,10 +341,9 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
 def _final_reduction(node: fx.Node, cand: Candidate, placed_on: Callable[[fx.Node], Placement | None]) -> float:
     """What completing ``cand``'s partial output costs when every reader needs it complete (0 otherwise)."""
     def completes(user: fx.Node, through: fx.Node = node) -> bool:
-        if user.op == "output":
+        if user.op == "output" or (is_float_cast(user) and user.users  # mixed precision: the cast back to fp32
+                                   and all(completes(u, user) for u in user.users)):
             return True
-        if is_float_cast(user) and user.users:  # mixed precision: the gradient's cast back to the parameter dtype
-            return all(completes(u, user) for u in user.users)
         others = [a for a in user.all_input_nodes if a is not through]
         return user.target in PARTIAL_SUMS and any(isinstance(placed_on(a), (Replicate, Shard)) for a in others)
 
