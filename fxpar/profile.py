@@ -25,6 +25,7 @@ from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, compile_model
 from fxpar.costs import compute_time, node_flops
 from fxpar.errors import PlanError
+from fxpar.memory import nbytes
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.modules import module_table
@@ -128,19 +129,15 @@ def _forward_times(c: Compiled, block: str, groups: list[TpGroup], cluster: Clus
             if inside:  # the groups' modules and what runs between them (attention, activations)
                 out["shardable"] += seconds
             if prov.module == block and "add" in str(n.target):
-                out["boundary"] = _nbytes(n)
+                out["boundary"] = nbytes(n)
             if prov.module in rowwise:
                 last_of[prov.module] = n
         elif not _in_other_block(prov.module, block):
             out["rest"] += seconds
-    out["reduced"] = sum(_nbytes(n) for n in last_of.values())  # each group's rowwise output, reduced over tp
-    out["boundary"] = out["boundary"] or max((_nbytes(n) for n in last_of.values()), default=0)
+    out["reduced"] = sum(nbytes(n) for n in last_of.values())  # each group's rowwise output, reduced over tp
+    out["boundary"] = out["boundary"] or max((nbytes(n) for n in last_of.values()), default=0)
     return out
 
-
-def _nbytes(n: Any) -> int:
-    val = n.meta.get("val")
-    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
 
 
 def _inside(module: str, block: str) -> bool:
