@@ -4,7 +4,8 @@ A candidate is a mesh (pp, dp, tp) and the plan fields the search varies. With `
 microbatch (``batch / (dp m)``), ``L`` blocks, ``v`` stages per pipeline rank and ``Psi`` parameters
 per rank (``(params - L params_block) + L params_block / pp``, the groups' share divided by tp):
 
-* forward of one block per microbatch: ``S (shardable / tp + rest_of_block)`` plus, per sharded group,
+* forward of one block per microbatch: ``S (shardable / tp + rest_of_block) + ops o`` (each compute node's
+  overhead ``o`` once per microbatch) plus, per sharded group,
   one all-reduce over tp of the block's output (with sequence parallelism the same bytes as a
   reduce-scatter and an all-gather, and the non-group part divided by tp too); the backward costs twice
   the compute and the same communication; ``recompute="full"`` adds one forward;
@@ -92,14 +93,15 @@ def evaluate(p: ModelProfile, ch: Choice, cluster: Cluster) -> ClosedForm:
     share = ch.sharded_groups / max(len(p.groups), 1)
     shardable = p.block_shardable * share
     other = p.block_time - shardable
-    block_f = samples * (shardable / tp + (other / tp if ch.sequence_parallel and tp > 1 else other))
+    block_f = samples * (shardable / tp + (other / tp if ch.sequence_parallel and tp > 1 else other)) \
+        + p.block_ops * cluster.op_overhead
     tp_group = list(range(ch.tp))  # tp is the innermost axis: its ranks share a node when it fits
     tp_bytes = samples * p.boundary_bytes
     per_group = samples * p.reduced_bytes / max(len(p.groups), 1)
     comm_f = ch.sharded_groups * collective_time("all_reduce", tuple(tp_group), int(per_group), cluster) \
         if tp > 1 else 0.0
     blocks = p.n_blocks / ch.pp
-    rest = samples * p.rest_time
+    rest = samples * p.rest_time + p.rest_ops * cluster.op_overhead
     recompute = block_f if ch.recompute == "full" else 0.0
     f_rank = blocks * (block_f + comm_f) + rest
     b_rank = blocks * (2 * block_f + comm_f + recompute) + 2 * rest

@@ -128,6 +128,30 @@ def compute_time(n: fx.Node, cluster: Cluster, fused: bool = False) -> tuple[flo
     return max(t_math, moved / cluster.memory_bandwidth) + cluster.op_overhead, flops
 
 
+def sample_time(n: fx.Node, cluster: Cluster, weights: set[fx.Node]) -> float:
+    """Seconds of a compute node that grow with its batch: all its FLOPs, and the bytes of what is neither a weight
+    nor made from weights alone (``weights``); no per-op overhead. What one more sample adds at a large batch."""
+    if n in weights:
+        return 0.0
+    moved = node_bytes(n)
+    if moved:
+        moved -= sum(_bytes(a.meta.get("val")) for a in n.all_input_nodes if a in weights)
+    flops = node_flops(n)
+    return max(flops / cluster.flops(_dtype(n)) if flops else 0.0, moved / cluster.memory_bandwidth)
+
+
+def weight_nodes(gm_nodes: list[fx.Node], params: set[str]) -> set[fx.Node]:
+    """The placeholders named in ``params`` and every node computed from them alone (casts, views, transposes)."""
+    out: set[fx.Node] = set()
+    for n in gm_nodes:
+        if n.op == "placeholder":
+            if n.name in params:
+                out.add(n)
+        elif n.op == "call_function" and n.all_input_nodes and all(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def _tensor(x: object) -> torch.Tensor:
     val = x.meta.get("val") if isinstance(x, fx.Node) else x
     if isinstance(val, (tuple, list)):

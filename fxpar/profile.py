@@ -5,7 +5,9 @@ blocks cut to one and to two (a shallow copy; the user's model is untouched). Fr
 
 * forward seconds per sample on the cluster of one block, and of the rest (embeddings, head, loss), and
   the part of a block's time that tensor parallelism divides (the nodes of the groups ``fxpar.tp_styles``
-  finds, and attention between them);
+  finds, and attention between them): FLOPs and the bytes of activations, what grows with the batch
+  (weights are read once per microbatch whatever its size, and each node's dispatch overhead is counted
+  apart, once per microbatch, from the number of compute nodes);
 * the activation one block hands the next (bytes per sample), the bytes one block saves for its backward
   (the difference of the two compiles' ``pm.memory``), and what the rest saves;
 * parameters per block and in total, and the model FLOPs per sample (6 N plus attention, no recompute).
@@ -23,14 +25,14 @@ import torch
 
 from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, compile_model
-from fxpar.costs import compute_time, node_flops
+from fxpar.costs import node_bytes, node_flops, sample_time, weight_nodes
 from fxpar.errors import PlanError
 from fxpar.memory import nbytes
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.modules import module_table
 from fxpar.plan import Plan
-from fxpar.stages import block_paths
+from fxpar.stages import block_paths, same_structure
 from fxpar.tp_styles import TpGroup, find_groups
 
 _ONE_RANK = Mesh({"dp": 1}, fake=True)
@@ -49,6 +51,8 @@ class ModelProfile:
     block_time: float  # forward seconds per sample on one device
     block_shardable: float  # the part of it tensor parallelism divides
     rest_time: float
+    block_ops: int  # compute nodes of one block's forward: each costs the per-op overhead once per microbatch
+    rest_ops: int
     boundary_bytes: int  # one block's output, per sample
     reduced_bytes: int  # the groups' rowwise outputs (what tp reduces once each in forward and backward), per sample
     block_saved: int  # bytes one block saves for its backward, per sample
@@ -62,7 +66,9 @@ class ModelProfile:
 def profile_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, loss_fn: Any = None,
                   param_dtype: torch.dtype | None = None) -> ModelProfile:
     """Profile ``model`` for ``cluster`` (module docstring). Raises PlanError for a model without repeated blocks."""
-    blocks = block_paths(model) or [""]  # no repeated blocks: the whole model is one
+    blocks = block_paths(model)
+    if len(blocks) < 2 or not same_structure(model.get_submodule(blocks[0]), model.get_submodule(blocks[1])):
+        blocks = [""]  # no repeated blocks: the whole model is one
     batch = _batch(example_inputs)
     one = _slice_batch(example_inputs)
     plan = Plan(param_dtype=param_dtype)
@@ -83,6 +89,7 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
         params_total=params_total, params_block=params_block,
         param_bytes=master.element_size() if master is not None else 4,
         block_time=times["block"], block_shardable=times["shardable"], rest_time=times["rest"],
+        block_ops=times["block_ops"], rest_ops=times["rest_ops"],
         boundary_bytes=times["boundary"], reduced_bytes=times["reduced"], block_saved=block_saved,
         rest_saved=max(saved1 - block_saved, 0) if small is not None else 0,
         flops_per_sample=_model_flops(two, blocks[0], len(blocks)), tokens_per_sample=_tokens(one),
@@ -115,16 +122,21 @@ def _forward_times(c: Compiled, block: str, groups: list[TpGroup], cluster: Clus
     prog = c.stages[0]
     prefix = block + "." if block else ""
     mine = {prefix + r for g in groups for r in g.regions()}
-    out = {"block": 0.0, "shardable": 0.0, "rest": 0.0, "boundary": 0, "reduced": 0}
+    out = {"block": 0.0, "shardable": 0.0, "rest": 0.0, "boundary": 0, "reduced": 0, "block_ops": 0, "rest_ops": 0}
     rowwise = {prefix + g.rowwise for g in groups}
+    colwise = {prefix + c for g in groups for c in g.colwise}
+    undivided = 0  # bytes every tp rank still moves in full: the colwise modules' inputs, the rowwise outputs
     last_of: dict[str, Any] = {}
+    weights = weight_nodes(list(prog.graph.nodes), {name for _, name in prog.signature.params})
     for n in prog.graph.nodes:
         prov = prog.provenance.get(n.name)
         if n.op != "call_function" or prov is None or prov.phase != "fwd":
             continue
-        seconds, flops = compute_time(n, cluster)
+        seconds = sample_time(n, cluster, weights)
+        op = int(bool(node_flops(n) or node_bytes(n)))
         if _inside(prov.module, block):
             out["block"] += seconds
+            out["block_ops"] += op
             inside = any(prov.module == m or prov.module.startswith(m + ".") for m in mine)
             if inside:  # the groups' modules and what runs between them (attention, activations)
                 out["shardable"] += seconds
@@ -132,11 +144,21 @@ def _forward_times(c: Compiled, block: str, groups: list[TpGroup], cluster: Clus
                 out["boundary"] = nbytes(n)
             if prov.module in rowwise:
                 last_of[prov.module] = n
+            if prov.module in colwise:
+                undivided += sum(nbytes(a) for a in n.all_input_nodes
+                                 if a not in weights and _module(prog, a) != prov.module)
         elif not _in_other_block(prov.module, block):
             out["rest"] += seconds
+            out["rest_ops"] += op
     out["reduced"] = sum(nbytes(n) for n in last_of.values())  # each group's rowwise output, reduced over tp
     out["boundary"] = out["boundary"] or max((nbytes(n) for n in last_of.values()), default=0)
+    out["shardable"] = max(out["shardable"] - (undivided + out["reduced"]) / cluster.memory_bandwidth, 0.0)
     return out
+
+
+def _module(prog: Any, n: Any) -> str | None:
+    prov = prog.provenance.get(n.name)
+    return prov.module if prov is not None else None
 
 
 

@@ -144,17 +144,28 @@ def _meshes(cluster: Cluster, fixed: dict[str, Any], profile: ModelProfile,
 
 
 def _tp_groups(profile: ModelProfile, tp: int, cluster: Cluster, report: SearchReport) -> int:
-    """How many groups to shard at ``tp`` (all or none): compute saved vs bytes moved, per sample."""
-    if tp == 1 or not profile.groups:
+    """How many groups to shard at ``tp`` (all or none): what sharding divides vs what its reductions cost, per
+    sample (module docstring). A reduction moves its bytes over the tp link and through device memory (it reads
+    its input and writes its output)."""
+    if tp == 1:
+        return 0
+    if not profile.groups:
+        report.tp_decisions[tp] = ("replicate: no tensor-parallel group found (a matmul whose output reaches one "
+                                   "that writes the block's output)")
         return 0
     saved = 3 * profile.block_shardable * (1 - 1 / tp)
     _, bandwidth = cluster.link(tuple(range(tp)))
-    moved = 2 * 2 * (tp - 1) / tp * profile.reduced_bytes / bandwidth  # forward and backward reductions
+    reductions = 2 * profile.reduced_bytes  # forward and backward
+    moved = reductions * (2 * (tp - 1) / tp / bandwidth + 2 / cluster.memory_bandwidth)
     worth = saved > moved
-    report.tp_decisions[tp] = (f"{'shard' if worth else 'replicate'}: sharding the groups saves "
-                               f"{saved * 1e6:.3f} us of compute per sample and block and costs {moved * 1e6:.3f} us "
-                               f"of tp reductions at {bandwidth / 1e9:.1f} GB/s")
+    report.tp_decisions[tp] = (f"{'shard' if worth else 'replicate'}: sharding the groups saves {_time(saved)} of "
+                               f"compute per sample and block; their reductions cost {_time(moved)} (at "
+                               f"{bandwidth / 1e9:.1f} GB/s over tp)")
     return len(profile.groups) if worth else 0
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e6:.3f} us" if seconds >= 1e-6 else f"{seconds * 1e9:.3f} ns"
 
 
 def _rank(profile: ModelProfile, cluster: Cluster, fixed: dict[str, Any],

@@ -106,12 +106,37 @@ def node_cost(n: fx.Node) -> float:
 
 
 def block_paths(model: torch.nn.Module) -> list[str]:
-    """Module paths of the repeated blocks (children of the longest ModuleList/Sequential)."""
+    """Module paths of the repeated blocks: the children of the ModuleList/Sequential with the most structurally
+    identical children (same class and parameter shapes; ``model.layers`` rather than a block's own
+    ``Sequential(Linear, GELU, Linear)``); on a tie, one whose children are all alike, then the longest."""
     best: list[str] = []
+    best_key = (0, False, 0)
     for name, mod in model.named_modules():
-        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) and len(mod) > len(best):
-            best = [f"{name}.{child}" if name else child for child, _ in mod.named_children()]
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) and len(mod):
+            alike = _most_alike(mod)
+            key = (alike, alike == len(mod), len(mod))
+            if key > best_key:
+                best_key = key
+                best = [f"{name}.{child}" if name else child for child, _ in mod.named_children()]
     return best
+
+
+def same_structure(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two blocks have the same class and parameter names and shapes."""
+    return _structure(a) == _structure(b)
+
+
+def _structure(m: torch.nn.Module) -> tuple:
+    return type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())
+
+
+def _most_alike(container: torch.nn.Module) -> int:
+    """How many children share the most common structure (class and parameter shapes)."""
+    counts: dict[tuple, int] = {}
+    for child in container.children():
+        key = _structure(child)
+        counts[key] = counts.get(key, 0) + 1
+    return max(counts.values(), default=0)
 
 
 def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,

@@ -1,7 +1,8 @@
 """Tensor-parallel styles found from the graph, not from module names.
 
 In the forward graph of a repeated block, the *residual stream* is the block's own ``add`` nodes (those
-whose provenance is the block itself, not one of its children). Following each matmul module's output
+whose provenance is the block itself, not one of its children) and wherever the block's value leaves it
+(a residual ``add`` in the parent's forward reads it there). Following each matmul module's output
 through everything that is not another matmul module:
 
 * a module whose output reaches the residual stream is ``rowwise`` (it writes back to the stream);
@@ -71,8 +72,7 @@ def find_groups(prog: Program, modules: ModuleTable, block: str) -> list[TpGroup
         if owner[n] is not None:
             outputs[owner[n]] = n  # the module's last node in graph order
     spine = {n for n in fwd if "add" in str(n.target) and prog.provenance[n.name].module == block}
-    if not block:
-        spine.add(prog.graph.output_node())
+    spine |= _exits(fwd, prog, block)
     reach = {m: _reached(out, owner, m, spine) for m, out in outputs.items()}
     rowwise = [m for m in outputs if "spine" in reach[m]]
     groups = []
@@ -81,6 +81,19 @@ def find_groups(prog: Program, modules: ModuleTable, block: str) -> list[TpGroup
         if cols:
             groups.append(TpGroup(cols, r[len(prefix):]))
     return groups
+
+
+def _exits(fwd: list[fx.Node], prog: Program, block: str) -> set[fx.Node]:
+    """Where the block's value leaves it: the graph output (whole model), or the first nodes outside ``block`` that
+    read a node inside it (a block whose residual ``add`` sits in its parent's forward, a ``Sequential``)."""
+    if not block:
+        return {prog.graph.output_node()}
+
+    def inside(n: fx.Node) -> bool:
+        prov = prog.provenance.get(n.name)
+        return prov is not None and (prov.module == block or prov.module.startswith(block + "."))
+
+    return {n for n in fwd if not inside(n) and any(inside(a) for a in n.all_input_nodes)}
 
 
 def _owner(module: str, matmuls: set[str]) -> str | None:

@@ -173,6 +173,40 @@ def test_auto_replicates_when_reductions_cost_more_than_the_compute_they_divide(
     assert "replicate: sharding the groups saves" in pm.plan.notes["auto"]
 
 
+class _TinyMLP(nn.Module):
+    """Blocks ``Sequential(Linear, ReLU, Linear)`` whose residual ``add`` sits in the parent's forward."""
+
+    def __init__(self, width: int, mult: int, n: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, mult * width), nn.ReLU(),
+                                                  nn.Linear(mult * width, width)) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.pow(2).mean()
+
+
+def test_blocks_are_the_repeated_children_and_their_groups_reach_the_parent() -> None:
+    model = _TinyMLP(8, 4)
+    assert block_paths(model) == ["layers.0", "layers.1"]  # not layers.0's own (Linear, ReLU, Linear)
+    compiled = compile_program(model, fxpar.Mesh({"dp": 1}, fake=True), (torch.randn(4, 8),))
+    assert [str(g) for g in find_groups(compiled.stages[0], module_table(model), "layers.0")] == \
+        ["0 (colwise) -> 2 (rowwise)"]
+
+
+@pytest.mark.parametrize("cluster", [None, H100.with_gpus(2)], ids=["measured", "h100"])
+def test_auto_replicates_tiny_widths_at_a_large_batch(cluster) -> None:  # noqa: ANN001
+    """Width 8, no wider inside, 4096 samples: each sample's tp reductions move more bytes than sharding saves."""
+    pm = fxpar.parallelize(_TinyMLP(8, 1), fxpar.Mesh({"tp": 2}, fake=True), (torch.randn(4096, 8),), plan="auto",
+                           cluster=cluster)
+    assert pm.plan.tp == {} and not any(r.axis == "tp" for r in pm.ledger(0))
+    assert "replicate: sharding the groups saves" in str(pm.plan) and "their reductions cost" in str(pm.plan)
+    wide = fxpar.parallelize(_TinyMLP(64, 4), fxpar.Mesh({"tp": 2}, fake=True), (torch.randn(4096, 64),),
+                             plan="auto", cluster=cluster)
+    assert wide.plan.tp == {"layers.*.0": "colwise", "layers.*.2": "rowwise"}
+
+
 # --- fxpar.search ----------------------------------------------------------------------------------------------
 
 def test_search_ranks_meshes_and_plans_that_compile() -> None:
