@@ -12,15 +12,10 @@ machine: matmul FLOP/s, memory bandwidth, and gloo all-reduce latency and bandwi
 from __future__ import annotations
 
 import dataclasses
-import os
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from fxpar.errors import PlanError, close_matches
 
@@ -53,6 +48,11 @@ class Cluster:
     op_overhead: float = 0.0  # s per executed op (eager dispatch; presets: 0, kernels queue ahead of the GPU)
     collective_fit: dict[int, tuple[float, float]] = field(default_factory=dict)
     source: str = ""
+    # Ranks sharing CPU cores (``Cluster.measure``; presets: one device per rank, both 1.0 and 0.0):
+    oversubscription: float = 1.0  # ranks per core: a rank's idle time is CPU another rank can use
+    sync_cost: dict[int, float] = field(default_factory=dict)  # s a blocking collective of a group of n costs
+    # beyond its transfer while the other ranks compute (peers the OS has not scheduled yet), by group size n
+    optimizer_overhead: float = 0.0  # s per parameter tensor of an eager AdamW step beyond its memory traffic
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus, int) or self.gpus < 1:
@@ -73,15 +73,26 @@ class Cluster:
     def measure(ranks: int = 4) -> Cluster:
         """This machine, timed: ``ranks`` processes sharing its cores, gloo between them (cached per process).
 
-        Matmul FLOP/s (fp32, bf16) and copy bandwidth are measured with all threads and divided by
-        ``ranks``; the cost of dispatching one eager op is measured too (times ranks per core beyond one);
+        Matmul FLOP/s (fp32, bf16) and copy bandwidth are those of one of ``ranks`` one-thread workers running at
+        once (time-slicing the cores when there are more ranks than cores); the cost of dispatching one eager op
+        is measured too (times ranks per core beyond one);
         gloo all-reduce latency and bandwidth are fitted for groups of 2 and 4 (threads of this process, each
-        with its own gloo group on a local store).
+        with its own gloo group on a local store). ``sync_cost[g]`` is what one small all-reduce in groups of ``g``
+        adds to ``ranks`` threads that compute between collectives, over the same computation without it: the
+        time a collective waits for peers the OS has not scheduled yet (threads and processes measure the same
+        here: about 7 ms for groups of 4 and 2 ms for groups of 2 among 4 ranks on 2 cores). ``optimizer_overhead``
+        is an eager AdamW step's cost per parameter tensor beyond its memory traffic.
         """
-        key = ranks
-        if key not in _MEASURED:
-            _MEASURED[key] = _measure(ranks)
-        return _MEASURED[key]
+        if ranks not in _MEASURED:
+            from fxpar.measure import measure_machine
+
+            _MEASURED[ranks] = measure_machine(ranks)
+        return _MEASURED[ranks]
+
+    def sync(self, group: int) -> float:
+        """``sync_cost`` of a group of ``group`` ranks: the measured size, else the nearest smaller one (0: none)."""
+        sizes = [g for g in self.sync_cost if g <= group]
+        return self.sync_cost[max(sizes)] if sizes else 0.0
 
     def with_gpus(self, gpus: int) -> Cluster:
         return dataclasses.replace(self, gpus=gpus)
@@ -146,78 +157,3 @@ _A100 = Cluster(
 
 PRESETS = {c.name: c for c in (_H100, _A100)}
 _MEASURED: dict[int, Cluster] = {}
-
-
-def _measure(ranks: int) -> Cluster:
-    flops = {dtype: _matmul_flops(dtype) / ranks for dtype in (torch.float32, torch.bfloat16)}
-    bandwidth = _copy_bandwidth() / ranks
-    fit = {n: _allreduce_fit(n) for n in (2, 4)}
-    overhead = _op_overhead() * max(1.0, ranks / (os.cpu_count() or 1))  # ranks beyond the cores queue for one
-    latency, bw = fit[2]
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks if hasattr(os, "sysconf") else 8 * GB
-    return Cluster(name="this machine (measured)", gpus=ranks, gpus_per_node=ranks, peak_flops=flops,
-                   hbm_bytes=memory, hbm_bandwidth=bandwidth, intra_bandwidth=bw, intra_latency=latency,
-                   inter_bandwidth=bw, inter_latency=latency, device="cpu", op_overhead=overhead, collective_fit=fit,
-                   source=f"Cluster.measure(ranks={ranks}) on {os.cpu_count()} cores, torch {torch.__version__}")
-
-
-def _best_of(fn: object, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _matmul_flops(dtype: torch.dtype, n: int = 512) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    return 2 * n**3 / _best_of(lambda: a @ b)
-
-
-def _op_overhead(calls: int = 200) -> float:
-    """Seconds of one eager op on a tiny tensor: PyTorch's dispatch, which every node of a rank program pays."""
-    a, b = torch.ones(4), torch.ones(4)
-    return _best_of(lambda: [torch.add(a, b) for _ in range(calls)]) / calls
-
-
-def _copy_bandwidth(numel: int = 1 << 23) -> float:
-    src, dst = torch.randn(numel), torch.empty(numel)
-    dst.copy_(src)
-    return 2 * 4 * numel / _best_of(lambda: dst.copy_(src))  # one read and one write per element
-
-
-def _allreduce_fit(n: int, small: int = 1, large: int = 1 << 22, iters: int = 8) -> tuple[float, float]:
-    """(latency per ring step, bandwidth) of a gloo all-reduce among ``n`` threads of this process.
-
-    The ring model ``2 (n-1) (latency + B / (n bandwidth))`` is fitted to a 4-byte and a 16 MiB all-reduce.
-    """
-    t_small, t_large = _time_allreduce(n, small, iters), _time_allreduce(n, large, iters)
-    steps = 2 * (n - 1)
-    latency = t_small / steps
-    moved = steps * 4 * large / n  # bytes through each rank's link
-    return latency, moved / max(t_large - t_small, 1e-9)
-
-
-def _time_allreduce(n: int, numel: int, iters: int) -> float:
-    store = dist.HashStore()
-    seconds: dict[int, float] = {}
-
-    def work(rank: int) -> None:
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"measure{n}", store), rank, n, timedelta(seconds=60))
-        x = torch.ones(numel)
-        pg.allreduce([x]).wait()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            pg.allreduce([x]).wait()
-        seconds[rank] = (time.perf_counter() - t0) / iters
-
-    threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if len(seconds) < n:
-        raise RuntimeError(f"Cluster.measure: a gloo all-reduce among {n} local threads did not finish in 120 s")
-    return max(seconds.values())

@@ -8,6 +8,9 @@ Nothing here describes the model separately: every second comes from a node of a
   only what the compute between its issue and its wait does not hide, and a synchronous one costs all
   of it. Nodes the ``recompute`` pass re-runs in the backward are counted apart. Under ``Plan(compile=True)``
   pointwise and reduction chains are costed as Inductor fuses them (``fxpar.costs.fused_bytes``).
+* **Ranks sharing CPU cores** (``Cluster.measure`` with more ranks than cores): every wait and stage transfer
+  also costs ``cluster.sync(group size)`` (peers the OS has not scheduled yet), and a pipeline's idle ranks give
+  their cores to the busy ones (``_shared_cores``).
 * **One step** is the pipeline schedule (``Schedule.simulate``) with per-(kind, stage) costs of the
   representative rank of each pipeline coordinate (coordinate 0 on every other axis: the largest shards
   when sizes are uneven); each stage boundary transfer is added to the action that sends it. Around it: the
@@ -68,7 +71,7 @@ def graph_time(gm: fx.GraphModule, groups: dict[str, tuple[int, ...]], cluster: 
     out = GraphTime()
     clock = 0.0
     stream_free: dict[str, float] = {}
-    done: dict[fx.Node, tuple[float, str]] = {}
+    done: dict[fx.Node, tuple[float, str, int]] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -79,9 +82,10 @@ def graph_time(gm: fx.GraphModule, groups: dict[str, tuple[int, ...]], cluster: 
             start = max(clock, stream_free.get(group, 0.0))
             end = start + collective_time(COLLECTIVES[n.target], groups[group], row.bytes, cluster)
             stream_free[group] = end
-            done[n] = (end, row.axis)
+            done[n] = (end, row.axis, len(groups[group]))
         elif COLLECTIVES.get(n.target) == "wait":
-            end, axis = done.get(n.args[0], (clock, ""))
+            end, axis, size = done.get(n.args[0], (clock, "", 1))
+            end = max(end, clock) + cluster.sync(size)  # ranks sharing cores: waiting for peers to be scheduled
             if end > clock:
                 out.exposed[axis] = out.exposed.get(axis, 0.0) + end - clock
                 clock = end
@@ -161,19 +165,32 @@ def estimate(c: Compiled, cluster: Cluster) -> Estimate:
     for axis, t in sorted(costs.inside.exposed.items()):
         breakdown[f"exposed comm {axis or '?'}"] = t
     breakdown["pp transfers"] = costs.transfers
-    breakdown["pipeline bubble"] = sim.makespan - busy
+    pipeline = _shared_cores(sim.makespan, sim.busy, cluster)
+    breakdown["pipeline bubble"] = max(pipeline - busy, 0.0)
+    if pipeline < busy:
+        breakdown["cores idle ranks free"] = pipeline - busy
     for axis, t in sorted(costs.once.exposed.items()):
         key = f"exposed comm {axis} (once per step)"
         breakdown[key] = breakdown.get(key, 0.0) + t
     breakdown["once-per-step compute"] = costs.once.compute
     breakdown["optimizer"] = costs.optimizer
-    breakdown = {k: v for k, v in breakdown.items() if v > 0 or k in ("compute", "pipeline bubble")}
+    breakdown = {k: v for k, v in breakdown.items() if v or k in ("compute", "pipeline bubble")}
     memory = max((predict_memory(c, r) for r in ranks), key=lambda m: m.peak)
     return Estimate(step_time=sum(breakdown.values()), model_flops=model_flops(c), tokens=tokens_per_step(c),
                     devices=c.mesh.size, peak_flops=cluster.peak_flops.get(torch.bfloat16,
                                                                            cluster.peak_flops[torch.float32]),
                     memory=memory, hbm_bytes=cluster.hbm_bytes, breakdown=breakdown, cluster_name=cluster.name,
                     mesh=c.mesh.describe())
+
+
+def _shared_cores(makespan: float, busy: list[float], cluster: Cluster) -> float:
+    """Seconds of the pipeline. With one device per rank, the simulated makespan. With ``k`` ranks per core
+    (every cost above at a rank's 1/k share of the cores), a rank's idle time is CPU the others use: the larger
+    of the critical path at full speed (makespan / k) and the ranks' total work over the cores (their mean)."""
+    k = cluster.oversubscription
+    if k <= 1 or not busy:
+        return makespan
+    return max(makespan / k, sum(busy) / len(busy))
 
 
 @dataclass
@@ -204,7 +221,8 @@ def _rank_costs(c: Compiled, rank: int, cluster: Cluster) -> _RankCosts:
             actions[key] = actions.get(key, 0.0) + t.total
             last_compute[e.stage] = key
         elif e.kind.startswith("SEND_"):
-            seconds = sum(collective_time("send", cm.ranks, cm.row.bytes, cluster) for cm in e.comms)
+            seconds = sum(collective_time("send", cm.ranks, cm.row.bytes, cluster) + cluster.sync(2)
+                          for cm in e.comms)
             transfers += seconds
             key = (e.kind[-1], e.stage)
             actions[key] = actions.get(key, 0.0) + seconds
@@ -243,8 +261,10 @@ def _event_graph_time(c: Compiled, rank: int, e: StepEvent, cluster: Cluster,
 
 
 def _optimizer_time(c: Compiled, rank: int, cluster: Cluster) -> float:
-    """AdamW over the rank's parameter shards: memory-bound, ``ADAM_BYTES_PER_ELEMENT`` element sizes each."""
+    """AdamW over the rank's parameter shards: memory-bound, ``ADAM_BYTES_PER_ELEMENT`` element sizes each, plus
+    ``cluster.optimizer_overhead`` per parameter tensor (an eager step's per-tensor ops)."""
     moved = 0
+    tensors = 0
     seen: set[str] = set()
     for s in c.stage_of_rank(rank):
         prog, rp = c.stages[s], c.rank_program(rank, s)
@@ -259,7 +279,8 @@ def _optimizer_time(c: Compiled, rank: int, cluster: Cluster) -> float:
                 shard = val.numel() // (c.mesh.axes["dp"] if fqn in rp.zero and not node.meta.get("zero3_shard")
                                         else 1)
                 moved += shard * val.element_size() * ADAM_BYTES_PER_ELEMENT
-    return moved / cluster.memory_bandwidth
+                tensors += 1
+    return moved / cluster.memory_bandwidth + tensors * cluster.optimizer_overhead
 
 
 def model_flops(c: Compiled) -> float:

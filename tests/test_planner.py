@@ -5,7 +5,9 @@ Everything here compiles on fake meshes (no processes): estimates are read off t
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -68,6 +70,10 @@ def test_measure_times_this_machine() -> None:
     latency, bandwidth = c.link((0, 1))
     assert 0 < latency < 0.1 and bandwidth > 1e6
     assert Cluster.measure(ranks=2) is c  # cached per process: a plan search must not re-time the machine
+    assert set(c.sync_cost) == {2} and c.sync(2) > 0 and c.sync(8) == c.sync(2) and c.sync(1) == 0
+    assert c.optimizer_overhead > 0 and 0 < c.flops_fraction == c.hbm_fraction <= 1
+    assert c.oversubscription == max(1.0, 2 / (os.cpu_count() or 1))
+    assert not torch.distributed.is_initialized()  # the one-rank world it timed the runtime in is gone
 
 
 # --- pm.estimate -----------------------------------------------------------------------------------------------
@@ -120,6 +126,25 @@ def test_pipeline_bubble_comes_from_the_schedule_simulation() -> None:
 
     one, interleaved = bubble("1f1b", 2), bubble("interleaved-1f1b", 4)
     assert 0 < interleaved < one
+
+
+def test_ranks_sharing_cores_pay_for_each_wait_and_give_idle_time_away() -> None:
+    """On ``Cluster.measure``'s CPU cluster: every collective's wait costs ``sync``; a pipeline's idle ranks lend
+    their cores to the busy ones, so the step is the larger of the critical path at full speed and the mean work."""
+    h100 = Cluster.preset("h100-sxm", gpus=2)
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,), fxpar.Plan(tp=llama_plan()))
+    waits = sum(1 for r in pm.ledger(0) if r.axis == "tp")
+    extra = pm.estimate(dataclasses.replace(h100, sync_cost={2: 1e-3})).breakdown["exposed comm tp"] \
+        - pm.estimate(h100).breakdown["exposed comm tp"]
+    assert waits > 0 and extra == pytest.approx(waits * 1e-3, rel=1e-6)
+
+    plan = fxpar.Plan(stages=2, microbatches=2)
+    piped = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"pp": 2}, fake=True), (TOKENS,), plan,
+                              loss_fn=next_token_loss)
+    alone, shared = piped.estimate(h100), piped.estimate(dataclasses.replace(h100, oversubscription=2.0))
+    assert alone.breakdown["pipeline bubble"] > 0
+    assert shared.step_time < alone.step_time
+    assert shared.breakdown["pipeline bubble"] < alone.breakdown["pipeline bubble"]
 
 
 def test_estimate_refuses_a_cluster_smaller_than_the_mesh() -> None:
