@@ -5,9 +5,12 @@
 The bundled Llama (4 layers, hidden 256, vocab 512, batch 8 x 128 tokens, fp32) runs each plan on 4 gloo ranks
 of this machine: 3 warm-up steps, then the median of 8 timed steps (``pm.step`` + AdamW, a barrier before
 each, the time is the slowest rank's). The estimate of the same plan comes from compiling it on a fake mesh
-and ``pm.estimate(Cluster.measure(ranks=4))`` (this machine's matmul rate, copy bandwidth, op dispatch and
-gloo all-reduce fits, shared by 4 ranks). Reported: each plan's ratio, the Spearman rank correlation of
-estimate and measurement over the plans, and the median absolute relative error.
+and ``pm.estimate(Cluster.measure(ranks=4))``: this machine as 4 one-thread ranks sharing its cores see it (matmul
+and copy rates of 4 workers at once, op dispatch, gloo all-reduce fits, what a blocking collective costs while the
+other ranks compute, AdamW's per-tensor cost, and the fraction of those rates a reference one-layer block
+achieves; ``fxpar/measure.py``). Nothing in the measurement sees the plans or this model's 4 layers. Reported:
+each plan's ratio, the Spearman rank correlation of estimate and measurement over the plans, and the median
+absolute relative error.
 """
 
 from __future__ import annotations
