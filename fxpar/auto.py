@@ -36,9 +36,9 @@ def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: 
     choose the same plan: with ``collective`` (every rank calls this) the cluster (measured on rank 0 when not
     given) is broadcast before the search, which is deterministic given it.
     """
-    cluster = cluster or default_cluster(mesh)
     if collective:  # every rank of a launched mesh calls this: they must all cost on the same numbers
         cluster = _shared(cluster, mesh)
+    cluster = cluster or default_cluster(mesh)
     if cluster.gpus != mesh.size:
         cluster = cluster.with_gpus(mesh.size)
     fixed: dict[str, Any] = {axis: mesh.axes.get(axis, 1) for axis in MESH_AXES}
@@ -49,12 +49,13 @@ def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: 
     return dataclasses.replace(best.plan, notes={"auto": why})
 
 
-def _shared(cluster: Cluster, mesh: Mesh) -> Cluster:
+def _shared(cluster: Cluster | None, mesh: Mesh) -> Cluster | None:
+    """On a launched mesh, rank 0's cluster (measured there alone when not given) on every rank."""
     import torch.distributed as dist
 
     if mesh.fake or not dist.is_initialized():
         return cluster
-    box = [cluster]
+    box = [cluster or default_cluster(mesh) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
