@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.backends.comm import bind_groups
@@ -31,13 +32,29 @@ class RankParameters(torch.nn.Module):
         self._runners: dict[int, StageRunner] = {}
         self._stage_buffers: dict[int, list[torch.Tensor]] = {}
         self._gathered: dict[str, torch.Tensor] = {}  # ZeRO: tp-local parameters gathered for the current step
+        self._owners: dict[str, tuple[torch.nn.Module, str]] = {}  # fqn -> (module, name): get_parameter's walk, once
+        self._grad_specs: dict[tuple[str, torch.dtype], DTensorSpec] = {}
 
-    def local_param(self, fqn: str) -> torch.Tensor:
-        """What the rank's graphs compute with: the local shard, or (ZeRO, inside ``pm.step``) the gathered one."""
+    def param(self, fqn: str) -> torch.Tensor:
+        """The parameter at ``fqn``: read from its module's ``_parameters`` each time (so a parameter replaced by
+        ``load_state_dict(assign=True)`` is seen), the module found once."""
+        owner = self._owners.get(fqn)
+        if owner is None:
+            path, _, leaf = fqn.rpartition(".")
+            owner = self._owners[fqn] = (self.get_submodule(path) if path else self, leaf)
+        return owner[0]._parameters[owner[1]]
+
+    def local_param(self, fqn: str, differentiable: bool = False) -> torch.Tensor:
+        """What the rank's graphs compute with: the local shard, or (ZeRO, inside ``pm.step``) the gathered one.
+
+        ``differentiable``: a view autograd connects to the DTensor parameter (``pm(x)`` then ``loss.backward()``);
+        ``pm.step`` computes its own gradients and hands them to ``add_local_grad``, so it takes the shard itself."""
         if fqn in self._gathered:
             return self._gathered[fqn]
-        p = self.get_parameter(fqn)
-        return p.to_local() if isinstance(p, DTensor) else p
+        p = self.param(fqn)
+        if not isinstance(p, DTensor):
+            return p
+        return p.to_local() if differentiable else p._local_tensor
 
     def gather_params(self) -> None:
         """ZeRO-1/2: all-gather every dp-sharded parameter this rank holds (its stages' ``gather_params`` graphs)."""
@@ -47,7 +64,7 @@ class RankParameters(torch.nn.Module):
 
     def gather_stage_params(self, runner: StageRunner) -> None:
         """ZeRO-1/2: run one stage's ``gather_params`` graph on this rank's shards; keep the working copies."""
-        shards = [self.get_parameter(f).to_local() for f in runner.zero_fqns]
+        shards = [self.param(f)._local_tensor for f in runner.zero_fqns]
         self._gathered.update(zip(runner.zero_fqns, runner.gather(*shards), strict=True))
 
     def release_params(self) -> None:
@@ -59,14 +76,26 @@ class RankParameters(torch.nn.Module):
         return self._stage_buffers[stage]
 
     def add_local_grad(self, fqn: str, g: torch.Tensor) -> None:
-        """Accumulate a local gradient shard into the parameter's ``.grad`` (a DTensor like the parameter)."""
-        p = self.get_parameter(fqn)
-        grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride()) if isinstance(p, DTensor) else g
-        if p.grad is None:
-            p.grad = grad
-        else:
-            p.grad = p.grad + grad
+        """Accumulate a local gradient shard into the parameter's ``.grad`` (a DTensor like the parameter).
+
+        The DTensor is built from a spec cached per parameter and dtype, and an existing gradient is summed on
+        the local shards: ``DTensor.from_local`` and a DTensor ``+`` per parameter and step cost more than a
+        small model's whole backward on CPU."""
+        p = self.param(fqn)
+        if not isinstance(p, DTensor):
+            p.grad = g if p.grad is None else p.grad + g
+            return
+        if p.grad is not None:
+            g = p.grad._local_tensor + g
+        p.grad = DTensor(g, self._grad_spec(fqn, p, g), requires_grad=False)
+
+    def _grad_spec(self, fqn: str, p: DTensor, g: torch.Tensor) -> DTensorSpec:
+        key = (fqn, g.dtype)
+        spec = self._grad_specs.get(key)
+        if spec is None or spec.mesh is not p.device_mesh or spec.placements != tuple(p.placements):
+            spec = self._grad_specs[key] = DTensorSpec(p.device_mesh, tuple(p.placements),
+                                                       TensorMeta(p.shape, p.stride(), g.dtype))
+        return spec
 
 
 def register_param(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:

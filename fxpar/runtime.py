@@ -234,7 +234,7 @@ class ParallelModule(RankParameters):
                                "run a training step with pm.step(inputs..., targets) instead of pm(inputs)")
         runner = self._runners[0]
         flat, _ = flat_user_inputs(c, inputs)
-        local = [self.local_param(fqn) for fqn in runner.param_fqns]
+        local = [self.local_param(fqn, differentiable=True) for fqn in runner.param_fqns]
         tensors = [x for x in pytree.tree_leaves(flat) if isinstance(x, torch.Tensor)]
         outs = _RankStep.apply(runner, *local, *self.stage_buffers(0), *tensors)
         return pytree.tree_unflatten(list(outs), c.out_spec)
