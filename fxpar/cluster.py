@@ -12,7 +12,7 @@ machine: matmul FLOP/s, memory bandwidth, and gloo all-reduce latency and bandwi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,9 +84,12 @@ class Cluster:
         is an eager AdamW step's cost per parameter tensor beyond its memory traffic.
         """
         if ranks not in _MEASURED:
-            from fxpar.measure import measure_machine
+            from fxpar.measure import machine_fields
 
-            _MEASURED[ranks] = measure_machine(ranks)
+            measured = Cluster(**machine_fields(ranks))
+            for calibrate in _CALIBRATIONS:
+                measured = calibrate(measured, ranks)
+            _MEASURED[ranks] = measured
         return _MEASURED[ranks]
 
     def sync(self, group: int) -> float:
@@ -157,3 +160,10 @@ _A100 = Cluster(
 
 PRESETS = {c.name: c for c in (_H100, _A100)}
 _MEASURED: dict[int, Cluster] = {}
+_CALIBRATIONS: list[Callable[[Cluster, int], Cluster]] = []  # fxpar.calibrate (it needs the compiler)
+
+
+def register_calibration(fn: Callable[[Cluster, int], Cluster]) -> None:
+    """Run ``fn(cluster, ranks)`` on every cluster ``Cluster.measure`` builds (``fxpar.calibrate`` registers one:
+    this module sits below the compiler and cannot import it)."""
+    _CALIBRATIONS.append(fn)

@@ -5,34 +5,29 @@
 * **Links**: gloo all-reduce latency and bandwidth fitted for groups of 2 and 4 (threads of this process, each a
   rank of its own gloo group on a local store); ``sync_cost``, what a small all-reduce adds while the other ranks
   compute (peers the OS has not scheduled yet: threads and processes measure the same here).
-* **The runtime**: an eager AdamW step's cost per parameter tensor (on DTensors, as ``pm.parameters()`` are), and
-  the fraction of the micro-benchmarked rates a reference transformer block achieves, its forward and backward
-  run eagerly by ``ranks`` threads at once and once through fxpar's runtime (``flops_fraction`` and
-  ``hbm_fraction``: autograd, allocation, attention kernels and cache sharing that the micro-benchmarks leave out).
+* **The optimizer**: an eager AdamW step's cost per parameter tensor, on DTensors as ``pm.parameters()`` are (in a
+  one-rank gloo world set up and torn down here when this process has none; plain tensors on a launched rank).
 
-A one-rank gloo world is set up (and torn down) for the runtime measurements when this process has none; on a
-launched rank the optimizer is timed on plain tensors and the runtime's own overhead is left out.
+The fraction of these rates a real block achieves needs the compiler: ``fxpar.calibrate`` measures it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxpar.cluster import GB, Cluster
-
 
 @contextlib.contextmanager
-def _intra_op_threads(n: int) -> Iterator[None]:
+def intra_op_threads(n: int) -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -41,30 +36,29 @@ def _intra_op_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def measure_machine(ranks: int) -> Cluster:
-    """This machine as ``ranks`` ranks see it (module docstring); ``Cluster.measure`` caches it."""
-    with _intra_op_threads(1):  # one thread per rank, as launched ranks run, all of them at once
+def machine_fields(ranks: int) -> dict[str, Any]:
+    """``Cluster`` fields of this machine as ``ranks`` ranks see it (module docstring); ``Cluster.measure`` builds
+    and caches the cluster, then ``fxpar.calibrate`` sets its achieved fractions."""
+    with intra_op_threads(1):  # one thread per rank, as launched ranks run, all of them at once
         flops = {dtype: _matmul_flops(dtype, ranks) for dtype in (torch.float32, torch.bfloat16)}
         bandwidth = _copy_bandwidth(ranks)
     fit = {n: _allreduce_fit(n) for n in (2, 4)}
     shared = max(1.0, ranks / (os.cpu_count() or 1))  # ranks beyond the cores queue for one
     overhead = _op_overhead() * shared
     latency, bw = fit[2]
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks if hasattr(os, "sysconf") else 8 * GB
-    measured = Cluster(name="this machine (measured)", gpus=ranks, gpus_per_node=ranks, peak_flops=flops,
-                       hbm_bytes=memory, hbm_bandwidth=bandwidth, intra_bandwidth=bw, intra_latency=latency,
-                       inter_bandwidth=bw, inter_latency=latency, device="cpu", op_overhead=overhead,
-                       collective_fit=fit, oversubscription=shared,
-                       sync_cost={g: _sync_cost(ranks, g) for g in (2, 4) if g <= ranks},
-                       source=f"Cluster.measure(ranks={ranks}) on {os.cpu_count()} cores, torch {torch.__version__}")
-    with _one_rank_world() as owned:
-        measured = dataclasses.replace(measured, optimizer_overhead=_optimizer_overhead(owned) * shared)
-        fraction = _achieved_fraction(measured, ranks, owned)
-    return dataclasses.replace(measured, flops_fraction=fraction, hbm_fraction=fraction)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks if hasattr(os, "sysconf") else 8e9
+    with one_rank_world() as owned:
+        optimizer = _optimizer_overhead(owned) * shared
+    return dict(name="this machine (measured)", gpus=ranks, gpus_per_node=ranks, peak_flops=flops,
+                hbm_bytes=memory, hbm_bandwidth=bandwidth, intra_bandwidth=bw, intra_latency=latency,
+                inter_bandwidth=bw, inter_latency=latency, device="cpu", op_overhead=overhead, collective_fit=fit,
+                oversubscription=shared, sync_cost={g: _sync_cost(ranks, g) for g in (2, 4) if g <= ranks},
+                optimizer_overhead=optimizer,
+                source=f"Cluster.measure(ranks={ranks}) on {os.cpu_count()} cores, torch {torch.__version__}")
 
 
 @contextlib.contextmanager
-def _one_rank_world() -> Iterator[bool]:
+def one_rank_world() -> Iterator[bool]:
     """A one-rank gloo world for the runtime measurements when this process has none (yields whether it made one)."""
     if dist.is_initialized():
         yield False
@@ -76,42 +70,7 @@ def _one_rank_world() -> Iterator[bool]:
         dist.destroy_process_group()
 
 
-def _reference_block() -> tuple[torch.nn.Module, torch.Tensor, Callable[..., torch.Tensor]]:
-    """A one-layer bundled Llama (hidden 256), 2 x 128 tokens and its next-token loss."""
-    import torch.nn.functional as F
-
-    from fxpar.models.llama import Llama, LlamaConfig
-
-    def loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layers=1, hidden=256, intermediate=512, n_heads=8, n_kv_heads=4, vocab_size=512,
-                              max_seq=128))
-    return model, torch.randint(0, 512, (2, 128)), loss
-
-
-def _achieved_fraction(cluster: Cluster, ranks: int, owned: bool) -> float:
-    """Predicted over measured compute of the reference block: its forward and backward run eagerly by ``ranks``
-    threads at once, times how much slower fxpar's runtime runs it than eager mode (one thread, in the one-rank
-    world ``owned``; 1 without one), against its compute as ``pm.estimate`` costs it on ``cluster``."""
-    from fxpar.api import parallelize
-    from fxpar.mesh import Mesh
-
-    model, tokens, loss = _reference_block()
-    predicted = parallelize(model, Mesh({"dp": 1}, fake=True), (tokens,), loss_fn=loss) \
-        .estimate(dataclasses.replace(cluster, gpus=1)).breakdown["compute"]
-    eager = 1 / _units_per_second(ranks, lambda: loss(model(tokens), tokens).backward(), 1.0)
-    slowdown = 1.0
-    if owned:
-        pm = parallelize(model, Mesh({"dp": 1}), (tokens,), loss_fn=loss)
-        with _intra_op_threads(1):
-            slowdown = _typical(lambda: pm.step(tokens, tokens), 5) / _typical(
-                lambda: loss(model(tokens), tokens).backward(), 5)
-    return min(max(predicted / (eager * max(slowdown, 1.0)), 0.05), 1.0)
-
-
-def _typical(fn: object, repeats: int = 9) -> float:
+def typical(fn: object, repeats: int = 9) -> float:
     """Median seconds of ``fn()``: what a run sees on a machine others share, not its luckiest moment."""
     times = []
     for _ in range(repeats):
@@ -125,10 +84,10 @@ def _matmul_flops(dtype: torch.dtype, ranks: int, n: int = 256) -> float:
     """FLOP/s of one rank while ``ranks`` one-thread ranks multiply at once (time-slicing the cores included)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
-    return 2 * n**3 * _units_per_second(ranks, lambda: a @ b, 0.3 if dtype == torch.float32 else 0.1)
+    return 2 * n**3 * units_per_second(ranks, lambda: a @ b, 0.3 if dtype == torch.float32 else 0.1)
 
 
-def _units_per_second(ranks: int, unit: Callable[[], object], seconds: float) -> float:
+def units_per_second(ranks: int, unit: Callable[[], object], seconds: float) -> float:
     """How many ``unit()`` calls one of ``ranks`` threads completes per second while all of them run for
     ``seconds``: the machine's total throughput shared by ``ranks`` (robust to how unevenly the OS shares it)."""
     stop = threading.Event()
@@ -154,7 +113,7 @@ def _units_per_second(ranks: int, unit: Callable[[], object], seconds: float) ->
 def _op_overhead(calls: int = 200) -> float:
     """Seconds of one eager op on a tiny tensor: PyTorch's dispatch, which every node of a rank program pays."""
     a, b = torch.ones(4), torch.ones(4)
-    return _typical(lambda: [torch.add(a, b) for _ in range(calls)]) / calls
+    return typical(lambda: [torch.add(a, b) for _ in range(calls)]) / calls
 
 
 def _optimizer_overhead(as_dtensor: bool, tensors: int = 16, steps: int = 5) -> float:
@@ -165,8 +124,8 @@ def _optimizer_overhead(as_dtensor: bool, tensors: int = 16, steps: int = 5) -> 
         p.grad = _replicated(torch.randn(64), as_dtensor)
     opt = torch.optim.AdamW(params)
     opt.step()
-    with _intra_op_threads(1):
-        return _typical(opt.step, steps) / tensors
+    with intra_op_threads(1):
+        return typical(opt.step, steps) / tensors
 
 
 def _replicated(t: torch.Tensor, as_dtensor: bool) -> torch.Tensor:
@@ -183,7 +142,7 @@ def _copy_bandwidth(ranks: int, numel: int = 1 << 23) -> float:
     32 MiB tensors, beyond the caches)."""
     src, dst = torch.randn(numel), torch.empty(numel)
     dst.copy_(src)
-    return 2 * 4 * numel * _units_per_second(ranks, lambda: dst.copy_(src), 0.3)
+    return 2 * 4 * numel * units_per_second(ranks, lambda: dst.copy_(src), 0.3)
 
 
 def _allreduce_fit(n: int, small: int = 1, large: int = 1 << 22, iters: int = 8) -> tuple[float, float]:
