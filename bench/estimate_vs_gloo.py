@@ -8,9 +8,9 @@ each, the time is the slowest rank's). The estimate of the same plan comes from 
 and ``pm.estimate(Cluster.measure(ranks=4))``: this machine as 4 one-thread ranks sharing its cores see it (matmul
 and copy rates of 4 workers at once, op dispatch, gloo all-reduce fits, what a blocking collective costs while the
 other ranks compute, AdamW's per-tensor cost, and the fraction of those rates a reference one-layer block
-achieves; ``fxpar/measure.py``). Nothing in the measurement sees the plans or this model's 4 layers. Reported:
-each plan's ratio, the Spearman rank correlation of estimate and measurement over the plans, and the median
-absolute relative error.
+achieves; ``fxpar/measure.py``, ``fxpar/calibrate.py``). Nothing in the measurement sees the plans or this
+model's 4 layers. Reported: each plan's ratio, the Spearman rank correlation of estimate and measurement over the
+plans, and the median absolute relative error.
 """
 
 from __future__ import annotations
