@@ -20,7 +20,6 @@ from fxpar.api import parallelize
 from fxpar.cluster import Cluster, register_calibration
 from fxpar.measure import intra_op_threads, one_rank_world, typical, units_per_second
 from fxpar.mesh import Mesh
-from fxpar.models.llama import Llama, LlamaConfig
 
 
 def calibrated(cluster: Cluster, ranks: int) -> Cluster:
@@ -48,7 +47,10 @@ def achieved_fraction(cluster: Cluster, ranks: int) -> float:
 
 
 def _reference_block() -> tuple[torch.nn.Module, torch.Tensor, Callable[..., torch.Tensor]]:
-    """A one-layer bundled Llama (hidden 256), 2 x 128 tokens and its next-token loss."""
+    """A one-layer bundled Llama (hidden 256), 2 x 128 tokens and its next-token loss (imported here: ``fxpar.run``
+    must start without the bundled models)."""
+    from fxpar.models.llama import Llama, LlamaConfig
+
     def loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
