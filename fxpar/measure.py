@@ -118,23 +118,30 @@ def _op_overhead(calls: int = 200) -> float:
 
 def _optimizer_overhead(as_dtensor: bool, tensors: int = 16, steps: int = 5) -> float:
     """Seconds per parameter tensor of ``torch.optim.AdamW.step`` on tiny parameters: the per-tensor ops of its
-    eager (single-tensor) CPU path, on DTensors as ``pm.parameters()`` are (plain tensors without a one-rank world)."""
-    params = [torch.nn.Parameter(_replicated(torch.randn(64), as_dtensor)) for _ in range(tensors)]
+    eager (single-tensor) CPU path, on DTensors as ``pm.parameters()`` are (marked as fxpar's, so the step runs
+    as on fxpar's parameters: ``fxpar.local_optimizer``), or on plain tensors without a one-rank world."""
+    from fxpar.local_optimizer import own_parameter
+
+    wrap = _replicator() if as_dtensor else (lambda t: t)
+    params = [torch.nn.Parameter(wrap(torch.randn(64))) for _ in range(tensors)]
     for p in params:
-        p.grad = _replicated(torch.randn(64), as_dtensor)
+        if as_dtensor:
+            own_parameter(p)
+    for p in params:
+        p.grad = wrap(torch.randn(64))
     opt = torch.optim.AdamW(params)
     opt.step()
     with intra_op_threads(1):
         return typical(opt.step, steps) / tensors
 
 
-def _replicated(t: torch.Tensor, as_dtensor: bool) -> torch.Tensor:
-    if not as_dtensor:
-        return t
+def _replicator() -> Callable[[torch.Tensor], torch.Tensor]:
+    """Wraps a tensor as a DTensor replicated on a one-rank mesh."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate
 
-    return DTensor.from_local(t, DeviceMesh("cpu", [0]), [Replicate()], run_check=False)
+    mesh = DeviceMesh("cpu", [0])
+    return lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False)
 
 
 def _copy_bandwidth(ranks: int, numel: int = 1 << 23) -> float:

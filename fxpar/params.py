@@ -17,6 +17,7 @@ from fxpar.compiled import Compiled
 from fxpar.executor import StageRunner
 from fxpar.inductor import compiled_graph
 from fxpar.ir import Program
+from fxpar.local_optimizer import own_parameter
 from fxpar.mesh import Mesh
 from fxpar.rank_spec import stage_spec
 from fxpar.rank_step import tie_holders, tie_ranks
@@ -99,7 +100,8 @@ class RankParameters(torch.nn.Module):
 
 
 def register_param(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
-    """Register ``param`` on ``root`` under the dotted path ``fqn`` (creating empty submodules on the way)."""
+    """Register ``param`` on ``root`` under the dotted path ``fqn`` (creating empty submodules on the way); optimizer
+    steps over it compute on its local shard (``fxpar.local_optimizer``)."""
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
@@ -107,6 +109,7 @@ def register_param(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -
             mod.add_module(part, torch.nn.Module())
         mod = getattr(mod, part)
     mod.register_parameter(leaf, param)
+    own_parameter(param)
 
 
 def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Module, rank: int
