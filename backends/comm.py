@@ -31,8 +31,12 @@ def group_arg_index(target: object) -> int | None:
     return _GROUP_ARG.get(target) if isinstance(target, torch._ops.OpOverload) else None
 
 
-def bind_groups(gm: fx.GraphModule, names: dict[str, str]) -> fx.GraphModule:
-    """A copy of ``gm`` whose collectives use real process-group names (``names[symbolic]``)."""
+def bind_groups(gm: fx.GraphModule, names: dict[str, str], reinplace: bool = False) -> fx.GraphModule:
+    """A copy of ``gm`` whose collectives use real process-group names (``names[symbolic]``).
+
+    ``reinplace``: an all-reduce of a buffer nothing else reads (a gradient bucket's ``cat``) reduces it in place
+    (``all_reduce_``): the same collective and bytes, without the functional op's copy of the buffer (3 ms of a
+    10 MB bucket on CPU). The printed program, ledger and proof keep the functional op: the result is the same."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
@@ -42,6 +46,8 @@ def bind_groups(gm: fx.GraphModule, names: dict[str, str]) -> fx.GraphModule:
             args = list(new.args)
             args[i] = names[args[i]]
             new.args = tuple(args)
+        if reinplace and _reduces_a_private_buffer(n):
+            new.target = c10d.all_reduce_.default
         env[n] = new
     out = fx.GraphModule(gm, g)
     out.recompile()
@@ -55,6 +61,14 @@ def register_group(symbolic: str, pg: dist.ProcessGroup) -> None:
 
 def _resolve(group: str) -> str:
     return _GROUPS.get(group, group)
+
+
+def _reduces_a_private_buffer(n: fx.Node) -> bool:
+    """An all-reduce whose input is a fresh ``cat`` that only it reads."""
+    if n.target is not c10d.all_reduce.default:
+        return False
+    x = n.args[0]
+    return isinstance(x, fx.Node) and x.target is torch.ops.aten.cat.default and len(x.users) == 1
 
 
 def all_reduce(x: torch.Tensor, op: str, group: str) -> torch.Tensor:

@@ -70,6 +70,7 @@ class StepState:
     unreduced: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # ZeRO-2: a backward's raw grads
     losses: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = field(default_factory=dict)
     grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> summed local grad
+    borrowed: set[tuple[int, str]] = field(default_factory=set)  # sums that are still a graph's output, not a copy
     totals: dict[str, torch.Tensor] | None = None  # fqn -> gradient summed over this rank's stages
     sends: list[Any] = field(default_factory=list)
     loss: torch.Tensor | None = None
@@ -225,12 +226,23 @@ class StepExecutor:
             self.accumulate(r, s, results, st)
 
     def accumulate(self, r: StageRunner, s: int, results: Any, st: StepState) -> None:
-        """Add one microbatch's parameter gradients to the stage's sums."""
+        """Add one microbatch's parameter gradients to the stage's sums. The first microbatch's gradient is kept as
+        the graph returned it (it may alias another output, e.g. a slice of a reduced bucket); the second is added
+        out of place, and only sums made that way are added to in place: no copy with one microbatch."""
         acc = st.grads[s]
+        shared = overlapping([results[pos] for pos in r.grad_fqn])
         for pos, fqn in r.grad_fqn.items():
             g = results[pos]
-            if g is not None:
-                acc[fqn] = g.clone() if fqn not in acc else acc[fqn].add_(g)
+            if g is None:
+                continue
+            if fqn not in acc:
+                acc[fqn] = g.clone() if id(g) in shared else g  # a user's in-place op on one must not reach another
+                st.borrowed.add((s, fqn))
+            elif (s, fqn) in st.borrowed:
+                acc[fqn] = acc[fqn] + g
+                st.borrowed.discard((s, fqn))
+            else:
+                acc[fqn].add_(g)
 
     def reduce(self, s: int, mb: int | None, st: StepState) -> None:
         """Run the stage's ``reduce_grads``: on one microbatch's gradients (ZeRO-2), or on the step's sums."""
@@ -283,3 +295,23 @@ class StepExecutor:
             flat = [e for rank_events in gathered for e in rank_events]
             with open(path, "w") as f:
                 json.dump({"traceEvents": flat, "displayTimeUnit": "ms"}, f)
+
+
+def overlapping(tensors: list[torch.Tensor | None]) -> set[int]:
+    """The ids of the tensors among ``tensors`` whose memory overlaps another's (the same tensor twice, or a view of
+    it); slices side by side in one buffer do not overlap."""
+    spans = []
+    for t in tensors:
+        if t is not None and t.numel():
+            start = t.data_ptr()
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+            spans.append((start, start + extent * t.element_size(), id(t)))
+    spans.sort()
+    out: set[int] = set()
+    end, owner = -1, 0
+    for start, stop, i in spans:
+        if start < end:
+            out.update((i, owner))
+        if stop > end:
+            end, owner = stop, i
+    return out

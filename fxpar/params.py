@@ -151,8 +151,9 @@ def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str
     if compiled.schedule.has_w:
         graphs["backward_b"] = compiled.stage_graph(rank, stage, "backward_b")
         graphs["backward_w"] = compiled.stage_graph(rank, stage, "backward_w")
-    bound = {name: bind_groups(gm, names) for name, gm in graphs.items() if gm is not None}
-    if compiled.plan.compile:  # Inductor, on each graph's first call
+    eager = not compiled.plan.compile  # Inductor reinplaces collectives itself
+    bound = {name: bind_groups(gm, names, reinplace=eager) for name, gm in graphs.items() if gm is not None}
+    if not eager:  # Inductor, on each graph's first call
         return {name: compiled_graph(gm, f"rank {rank} stage {stage} {name}") for name, gm in bound.items()}
     return bound
 

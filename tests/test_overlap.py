@@ -7,7 +7,7 @@ from functools import partial
 
 import pytest
 import torch
-from fxpar.backends.comm import group_arg_index
+from fxpar.backends.comm import bind_groups, group_arg_index
 
 import fxpar
 from fxpar.models.llama import llama, llama_plan
@@ -133,3 +133,18 @@ def test_overlap_keeps_one_in_flight_per_group_only_when_asked(one_per_group: bo
     assert _most_in_flight_per_group(g) == (1 if one_per_group else 3)
     nodes = list(g.nodes)
     assert nodes.index(other) < nodes.index(mms[0])  # tp's collective is issued early either way
+
+
+def test_bound_gradient_buckets_reduce_in_place_while_the_program_prints_the_functional_op() -> None:
+    """Binding a rank's graphs for execution turns each bucket's all-reduce of its private ``cat`` into
+    ``all_reduce_`` (no copy of the bucket); tp all-reduces of values others read stay functional."""
+    pm = _compile({"dp": 2, "tp": 2}, overlap=True, bucket_mb=0.05)
+    rp = pm.rank_program(0)
+    functional = [n for n in rp.backward.graph.nodes if n.target is c10d.all_reduce.default]
+    buckets = [n for n in functional if n.args[0].target is aten.cat.default]
+    bound = bind_groups(rp.backward, {sym: sym for sym in rp.groups}, reinplace=True)
+    in_place = [n for n in bound.graph.nodes if n.target is c10d.all_reduce_.default]
+    still = [n for n in bound.graph.nodes if n.target is c10d.all_reduce.default]
+    assert len(buckets) > 1 and len(in_place) == len(buckets)
+    assert len(still) == len(functional) - len(buckets) > 0
+    assert "all_reduce_" not in pm.program(0)
