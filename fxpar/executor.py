@@ -230,7 +230,8 @@ class StepExecutor:
         the graph returned it (it may alias another output, e.g. a slice of a reduced bucket); the second is added
         out of place, and only sums made that way are added to in place: no copy with one microbatch."""
         acc = st.grads[s]
-        shared = overlapping([results[pos] for pos in r.grad_fqn])
+        first = any(fqn not in acc for fqn in r.grad_fqn.values())
+        shared = overlapping([results[pos] for pos in r.grad_fqn]) if first else set()
         for pos, fqn in r.grad_fqn.items():
             g = results[pos]
             if g is None:
