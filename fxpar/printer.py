@@ -18,7 +18,9 @@ from fxpar.backends.comm import c10d, rank_sizes
 from fxpar.compiled import Compiled
 from fxpar.ir import BLOCK, Program
 from fxpar.lower import LedgerRow, RankProgram
+from fxpar.lower.collectives import COORD_SLICE
 from fxpar.memory import saved_bytes
+from fxpar.roles import coord_slice_args
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.float8_e4m3fn: "f8e4m3",
@@ -86,11 +88,13 @@ def _target(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str], verbosity: int = 1) -> str:
+def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str], verbosity: int = 1,
+          coord: tuple[int, ...] | None = None) -> str:
     if n.target is operator.getitem:
         code = f"{n.name} = {n.args[0].name}[{n.args[1]}]"
     else:
-        args = [_arg(a, groups) for a in n.args] + [f"{k}={_arg(v, groups)}" for k, v in n.kwargs.items()]
+        given = coord_slice_args(n, coord) if coord is not None and COORD_SLICE in n.meta else n.args
+        args = [_arg(a, groups) for a in given] + [f"{k}={_arg(v, groups)}" for k, v in n.kwargs.items()]
         code = f"{n.name} = {_target(n.target)}({', '.join(args)})"
     notes = [type_str(n.meta.get("val")), placements_str(n.meta.get("placements"), axes)]
     if n.meta.get("recomputed"):
@@ -106,8 +110,9 @@ def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str], verbosity: 
 
 
 def graph_source(name: str, gm: fx.GraphModule, axes: tuple[str, ...], groups: dict[str, str],
-                 verbosity: int = 1) -> str:
-    """``def name(...):`` with one line per node and a return."""
+                 verbosity: int = 1, coord: tuple[int, ...] | None = None) -> str:
+    """``def name(...):`` with one line per node and a return; ``coord``: print even slices (``COORD_SLICE``) as the
+    rank at ``coord`` takes them (a role's graph printed as another rank's)."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     lines = [f"def {name}({', '.join(p.name for p in phs)}):"]
     for p in phs:
@@ -118,7 +123,7 @@ def graph_source(name: str, gm: fx.GraphModule, axes: tuple[str, ...], groups: d
         if n.op == "get_attr":
             lines.append(f"    {n.name} = constants[{n.target!r}]")
         elif n.op == "call_function":
-            lines.append(_line(n, axes, groups, verbosity))
+            lines.append(_line(n, axes, groups, verbosity, coord))
         elif n.op == "output":
             lines.append(f"    return {_arg(tuple(n.args[0]), groups)}")
     return "\n".join(lines)
@@ -153,20 +158,25 @@ def _recompute_line(prog: Program, rp: RankProgram) -> list[str]:
 
 
 def print_rank_program(prog: Program, rp: RankProgram, verbosity: int = 1, extra: list[str] | None = None,
-                       suffix: str = "") -> str:
-    """The rank's header, forward program, backward program and (if any) the once-per-step gradient reduction."""
+                       suffix: str = "", body: RankProgram | None = None) -> str:
+    """The rank's header, forward program, backward program and (if any) the once-per-step gradient reduction.
+
+    ``body``: the program whose graphs are printed, when ``rp`` is bound from its role without graphs
+    (``Roles.printable``): the role's graphs with ``rp``'s slices; the text is what ``rp``'s bound graphs print."""
     axes = prog.mesh.names
-    groups = group_vars(rp)
+    coord = None if body is None or body is rp else tuple(rp.coord)
+    body = body or rp
+    groups = group_vars(body)
     parts = [header(prog, rp, extra)]
     if verbosity >= 2:
         plan = prog.notes.get("plan", {})
         parts.append("# plan    " + (", ".join(f"{k}: {v}" for k, v in sorted(plan.items())) or "(none)"))
     if rp.gather_params is not None:  # ZeRO: once per step, before the first forward
-        parts.append(graph_source(f"gather_params{suffix}", rp.gather_params, axes, groups, verbosity))
-    parts += [graph_source(f"forward{suffix}", rp.forward, axes, groups, verbosity),
-              graph_source(f"backward{suffix}", rp.backward, axes, groups, verbosity)]
+        parts.append(graph_source(f"gather_params{suffix}", body.gather_params, axes, groups, verbosity, coord))
+    parts += [graph_source(f"forward{suffix}", body.forward, axes, groups, verbosity, coord),
+              graph_source(f"backward{suffix}", body.backward, axes, groups, verbosity, coord)]
     if rp.reduce_grads is not None:
-        parts.append(graph_source(f"reduce_grads{suffix}", rp.reduce_grads, axes, groups, verbosity))
+        parts.append(graph_source(f"reduce_grads{suffix}", body.reduce_grads, axes, groups, verbosity, coord))
     return "\n\n".join(parts) + "\n"
 
 
@@ -174,7 +184,8 @@ def print_rank_programs(c: Compiled, rank: int, verbosity: int = 1) -> str:
     """Every stage program ``rank`` holds (one without pipeline stages), each with its boundary transfers."""
     stages = c.stage_of_rank(rank)
     if len(c.stages) == 1:
-        return print_rank_program(c.stages[0], c.rank_program(rank, 0), verbosity)
+        rp, body = c.roles.printable(rank, 0)
+        return print_rank_program(c.stages[0], rp, verbosity, body=body)
     texts = []
     for s in stages:
         prog = c.stages[s]
@@ -185,7 +196,8 @@ def print_rank_programs(c: Compiled, rank: int, verbosity: int = 1) -> str:
                  f"# holds   {held_modules(prog)}",
                  f"# recv    {', '.join(info.received) or '(user inputs only)'}",
                  f"# send    {', '.join(info.sent) or '(outputs to loss_fn)'}"]
-        texts.append(print_rank_program(prog, c.rank_program(rank, s), verbosity, extra, suffix=f"_stage{s}"))
+        rp, body = c.roles.printable(rank, s)
+        texts.append(print_rank_program(prog, rp, verbosity, extra, suffix=f"_stage{s}", body=body))
     return "\n".join(texts)
 
 

@@ -19,6 +19,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx as fx
 
@@ -80,13 +81,29 @@ class Roles:
             self.roles.setdefault(stage, []).append(Role(rank, {a: coord[a] for a in sorted(read)}, rp))
         return rp
 
+    def printable(self, rank: int, stage: int) -> tuple[RankProgram, RankProgram]:
+        """(``rank``'s program without its graphs bound, the program whose graphs print as ``rank``'s): for a rank
+        no one bound yet, its role's graphs, printed with ``rank``'s groups and slices (``fxpar.printer``), so
+        printing a rank of a fake mesh copies no graph. Both are ``program(rank, stage)`` once that is built."""
+        bound = self._bound.get((rank, stage))
+        if bound is not None:
+            return bound, bound
+        coord = self.mesh.coord(rank)
+        if sharing_enabled():
+            for role in self.roles.get(stage, []):
+                if role.fits(coord) and role.rank != rank:
+                    return bind(role.program, rank, self.mesh, graphs=False), role.program
+        rp = self.program(rank, stage)
+        return rp, rp
+
     def count(self) -> int:
         """How many roles have been lowered (all stages)."""
         return sum(len(r) for r in self.roles.values())
 
 
-def bind(rp: RankProgram, rank: int, mesh: Mesh) -> RankProgram:
-    """``rp`` (lowered for another rank of the same role) as ``rank``'s program: its groups and ledger rows renamed."""
+def bind(rp: RankProgram, rank: int, mesh: Mesh, graphs: bool = True) -> RankProgram:
+    """``rp`` (lowered for another rank of the same role) as ``rank``'s program: its groups and ledger rows renamed;
+    with ``graphs=False`` its graphs are left the role's (for printing them with ``rank``'s groups and slices)."""
     rename = {name: group_name(name[: name.index("[")], mesh.group_ranks(rank, name[: name.index("[")]))
               for name in rp.groups}
     groups = {rename[name]: tuple(mesh.group_ranks(rank, name[: name.index("[")])) for name in rp.groups}
@@ -97,7 +114,9 @@ def bind(rp: RankProgram, rank: int, mesh: Mesh) -> RankProgram:
     coord = mesh.coord(rank)
 
     def graph(gm: fx.GraphModule | None) -> fx.GraphModule | None:
-        return None if gm is None else _renamed(gm, rename, row, coord)
+        if gm is None or not graphs:
+            return gm
+        return _renamed(gm, rename, row, coord)
 
     return dataclasses.replace(
         rp, rank=rank, coord=mesh.coord(rank), joint=None, forward=graph(rp.forward),  # joint: only the role keeps it
@@ -120,7 +139,12 @@ def _renamed(gm: fx.GraphModule, rename: dict[str, str], row: Callable[[LedgerRo
         if "ledger_row" in n.meta:
             n.meta["ledger_row"] = row(n.meta["ledger_row"])
         if COORD_SLICE in n.meta and n.op == "call_function":  # this rank's piece of an even split
-            ax, size = n.meta[COORD_SLICE]
-            n.args = (*n.args[:2], coord[ax] * size, (coord[ax] + 1) * size)
+            n.args = coord_slice_args(n, coord)
     g._codegen = gm.graph._codegen
     return graph_module(gm, g)
+
+
+def coord_slice_args(n: fx.Node, coord: tuple[int, ...]) -> tuple[Any, ...]:
+    """The arguments of even-slice node ``n`` (tagged ``COORD_SLICE``) for the rank at ``coord``: its own piece."""
+    ax, size = n.meta[COORD_SLICE]
+    return (*n.args[:2], coord[ax] * size, (coord[ax] + 1) * size)
