@@ -34,7 +34,8 @@ def _skip_first_reduction(graph: str, on_rank: int, pm: fxpar.ParallelModule, ra
         return
     graphs = pm.executed_graphs()
     gm: fx.GraphModule = graphs["reduce_grads" if graph == "backward" and "reduce_grads" in graphs else graph]
-    reduce = next(n for n in gm.graph.nodes if n.target is c10d.all_reduce.default)
+    reduce = next(n for n in gm.graph.nodes if n.target in (c10d.all_reduce.default, c10d.all_reduce_.default))
+    reduce.target = c10d.all_reduce.default  # a bucket runs in place (``bind_groups``): reduce a copy, keep the input
     wait = next(iter(reduce.users))
     wait.replace_all_uses_with(reduce.args[0])  # the partial sum / the local gradient, unreduced
     gm.recompile()
