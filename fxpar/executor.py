@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from fxpar.grad_sums import GradSums
 from fxpar.rank_spec import RankSpec, StageSpec
 from fxpar.rank_step import StepEvent
 
@@ -69,8 +70,7 @@ class StepState:
     stash: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # B -> W values
     unreduced: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # ZeRO-2: a backward's raw grads
     losses: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = field(default_factory=dict)
-    grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> fqn -> summed local grad
-    borrowed: set[tuple[int, str]] = field(default_factory=set)  # sums that are still a graph's output, not a copy
+    grads: GradSums = field(default_factory=lambda: GradSums([]))  # each stage's gradients summed over microbatches
     totals: dict[str, torch.Tensor] | None = None  # fqn -> gradient summed over this rank's stages
     sends: list[Any] = field(default_factory=list)
     loss: torch.Tensor | None = None
@@ -98,7 +98,7 @@ class StepExecutor:
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, mb_inputs: list[list[Any]], mb_targets: list[Any], trace: str | None) -> torch.Tensor:
-        st = StepState(grads={s: {} for s in self.runners})
+        st = StepState(grads=GradSums(list(self.runners)))
         t0 = time.perf_counter()
         with torch.no_grad():
             for event in self.events:
@@ -226,24 +226,8 @@ class StepExecutor:
             self.accumulate(r, s, results, st)
 
     def accumulate(self, r: StageRunner, s: int, results: Any, st: StepState) -> None:
-        """Add one microbatch's parameter gradients to the stage's sums. The first microbatch's gradient is kept as
-        the graph returned it (it may alias another output, e.g. a slice of a reduced bucket); the second is added
-        out of place, and only sums made that way are added to in place: no copy with one microbatch."""
-        acc = st.grads[s]
-        first = any(fqn not in acc for fqn in r.grad_fqn.values())
-        shared = overlapping([results[pos] for pos in r.grad_fqn]) if first else set()
-        for pos, fqn in r.grad_fqn.items():
-            g = results[pos]
-            if g is None:
-                continue
-            if fqn not in acc:
-                acc[fqn] = g.clone() if id(g) in shared else g  # a user's in-place op on one must not reach another
-                st.borrowed.add((s, fqn))
-            elif (s, fqn) in st.borrowed:
-                acc[fqn] = acc[fqn] + g
-                st.borrowed.discard((s, fqn))
-            else:
-                acc[fqn].add_(g)
+        """Add one microbatch's parameter gradients to the stage's sums (``fxpar.grad_sums``)."""
+        st.grads.add(s, {fqn: results[pos] for pos, fqn in r.grad_fqn.items()})
 
     def reduce(self, s: int, mb: int | None, st: StepState) -> None:
         """Run the stage's ``reduce_grads``: on one microbatch's gradients (ZeRO-2), or on the step's sums."""
@@ -253,17 +237,14 @@ class StepExecutor:
             r.reduce_into(results)
             self.accumulate(r, s, results, st)
             return
-        acc = st.grads[s]
+        acc = st.grads.stage(s)
         names = [fqn for _, fqn in r.spec.deferred]
         acc.update(zip(names, r.reduce(*[acc[fqn] for fqn in names]), strict=True))
 
     def totals(self, st: StepState) -> dict[str, torch.Tensor]:
         """Each gradient summed over this rank's stages (once every reduction has run)."""
         if st.totals is None:
-            st.totals = {}
-            for s in sorted(self.runners):
-                for fqn, g in st.grads[s].items():
-                    st.totals[fqn] = g if fqn not in st.totals else st.totals[fqn] + g
+            st.totals = st.grads.totals()
         return st.totals
 
     # -- point-to-point --------------------------------------------------------------------------
@@ -297,22 +278,3 @@ class StepExecutor:
             with open(path, "w") as f:
                 json.dump({"traceEvents": flat, "displayTimeUnit": "ms"}, f)
 
-
-def overlapping(tensors: list[torch.Tensor | None]) -> set[int]:
-    """The ids of the tensors among ``tensors`` whose memory overlaps another's (the same tensor twice, or a view of
-    it); slices side by side in one buffer do not overlap."""
-    spans = []
-    for t in tensors:
-        if t is not None and t.numel():
-            start = t.data_ptr()
-            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-            spans.append((start, start + extent * t.element_size(), id(t)))
-    spans.sort()
-    out: set[int] = set()
-    end, owner = -1, 0
-    for start, stop, i in spans:
-        if start < end:
-            out.update((i, owner))
-        if stop > end:
-            end, owner = stop, i
-    return out

@@ -1,0 +1,69 @@
+"""A rank's parameter gradients summed over microbatches, per stage, without copying one microbatch's.
+
+The first microbatch's gradient is kept as the graph returned it (it may alias another output, e.g. a slice
+of a reduced bucket); the second is added out of place, and only sums made that way are added to in place.
+Gradients whose memory overlaps another of the same backward are copied first, so a user's in-place op on
+one ``p.grad`` cannot reach another.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class GradSums:
+    """Stage -> parameter fqn -> its gradient summed over the microbatches seen so far."""
+
+    def __init__(self, stages: list[int]) -> None:
+        self.stages = sorted(stages)
+        self._sums: dict[int, dict[str, torch.Tensor]] = {s: {} for s in self.stages}
+        self._borrowed: set[tuple[int, str]] = set()  # sums that are still a graph's output, not a copy
+
+    def stage(self, s: int) -> dict[str, torch.Tensor]:
+        """Stage ``s``'s sums (a reduction may replace entries with its outputs)."""
+        return self._sums[s]
+
+    def add(self, s: int, grads: dict[str, torch.Tensor | None]) -> None:
+        """Add one microbatch's gradients of stage ``s`` (``None``: the parameter got no gradient)."""
+        acc = self._sums[s]
+        first = any(fqn not in acc for fqn in grads)
+        shared = overlapping(list(grads.values())) if first else set()
+        for fqn, g in grads.items():
+            if g is None:
+                continue
+            if fqn not in acc:
+                acc[fqn] = g.clone() if id(g) in shared else g
+                self._borrowed.add((s, fqn))
+            elif (s, fqn) in self._borrowed:
+                acc[fqn] = acc[fqn] + g
+                self._borrowed.discard((s, fqn))
+            else:
+                acc[fqn].add_(g)
+
+    def totals(self) -> dict[str, torch.Tensor]:
+        """Each gradient summed over the stages (a parameter tied across stages this rank holds adds up)."""
+        out: dict[str, torch.Tensor] = {}
+        for s in self.stages:
+            for fqn, g in self._sums[s].items():
+                out[fqn] = g if fqn not in out else out[fqn] + g
+        return out
+
+
+def overlapping(tensors: list[torch.Tensor | None]) -> set[int]:
+    """The ids of the tensors among ``tensors`` whose memory overlaps another's (the same tensor twice, or a view of
+    it); slices side by side in one buffer do not overlap."""
+    spans = []
+    for t in tensors:
+        if t is not None and t.numel():
+            start = t.data_ptr()
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+            spans.append((start, start + extent * t.element_size(), id(t)))
+    spans.sort()
+    out: set[int] = set()
+    end, owner = -1, 0
+    for start, stop, i in spans:
+        if start < end:
+            out.update((i, owner))
+        if stop > end:
+            end, owner = stop, i
+    return out
