@@ -127,7 +127,6 @@ def _optimizer_overhead(as_dtensor: bool, tensors: int = 16, steps: int = 5) -> 
     for p in params:
         if as_dtensor:
             own_parameter(p)
-    for p in params:
         p.grad = wrap(torch.randn(64))
     opt = torch.optim.AdamW(params)
     opt.step()
