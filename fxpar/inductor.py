@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
-from torch._inductor.compile_fx import compile_fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -40,6 +39,14 @@ def compiled_graph(gm: fx.GraphModule, where: str) -> Callable[..., Any]:
 
     run.graph_module = gm  # type: ignore[attr-defined]
     return run
+
+
+def compile_fx(gm: fx.GraphModule, args: list[Any]) -> Callable[..., Any]:
+    """Inductor's ``compile_fx``, imported on first use: importing ``torch._inductor`` costs every process that
+    never compiles (each launched rank, each test worker) about 2 s."""
+    from torch._inductor.compile_fx import compile_fx as inductor_compile_fx
+
+    return inductor_compile_fx(gm, args)
 
 
 def _compile(gm: fx.GraphModule, args: list[Any], where: str) -> Callable[..., Any]:

@@ -8,6 +8,7 @@ changes it for a scope and restores it after; nothing else reassigns it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -109,8 +110,13 @@ class _SharedFake:
     LIMIT = 200_000  # entries kept before the memo starts over (each a small meta-only fake tensor)
 
     def __init__(self) -> None:
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._values: dict[tuple[Any, ...], Any] = {}
+
+    @functools.cached_property
+    def mode(self) -> FakeTensorMode:
+        """Made on first use: a fake mode imports ``torch._dynamo`` (about 1 s), which a process that only runs
+        printed rank programs never needs."""
+        return FakeTensorMode(allow_non_fake_inputs=True)
 
     def values(self) -> dict[tuple[Any, ...], Any]:
         if len(self._values) > self.LIMIT:
