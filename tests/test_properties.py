@@ -25,12 +25,14 @@ from fxpar.testing import assert_equivalent
 from fxpar.testing.strategies import ModelSpec, cases, context_cases, expert_cases, pipeline_cases, zero_cases
 
 SCALE = float(os.environ.get("FXPAR_PROPERTY_SCALE", "1"))  # e.g. 5 for a long local run
-MLP_EXAMPLES = int(80 * SCALE)
-TRANSFORMER_EXAMPLES = int(50 * SCALE)
-PIPELINE_EXAMPLES = int(12 * SCALE)
-ZERO_EXAMPLES = int(10 * SCALE)
-CONTEXT_EXAMPLES = int(8 * SCALE)
-EXPERT_EXAMPLES = int(6 * SCALE)
+# CI's counts keep the suite within its time budget; FXPAR_PROPERTY_SCALE=4 gives the long local run, and
+# FXPAR_SEED=random (tests/conftest.py) new examples at the same cost
+MLP_EXAMPLES = int(40 * SCALE)
+TRANSFORMER_EXAMPLES = int(25 * SCALE)
+PIPELINE_EXAMPLES = int(8 * SCALE)
+ZERO_EXAMPLES = int(6 * SCALE)
+CONTEXT_EXAMPLES = int(5 * SCALE)
+EXPERT_EXAMPLES = int(4 * SCALE)
 
 
 def _check(family: str, case: tuple[ModelSpec, dict[str, int], dict[str, str] | None, int]) -> None:
