@@ -90,10 +90,13 @@ def publish(name: str, section: str, lines: list[str], data: Any, readme: bool, 
     return path
 
 
-def bench_args(doc: str) -> argparse.Namespace:
-    """The command line every single-command benchmark takes: ``--no-readme`` (print only)."""
+def bench_args(doc: str, flags: tuple[tuple[str, str], ...] = ()) -> argparse.Namespace:
+    """The command line every single-command benchmark takes: ``--no-readme`` (print only), plus the script's own
+    boolean ``flags`` (name, help)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
+    for flag, text in flags:
+        parser.add_argument(flag, action="store_true", help=text)
     return parser.parse_args()
 
 
