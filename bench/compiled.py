@@ -56,12 +56,13 @@ PAIRS = [("fxpar zero=0", "DDP"), ("fxpar zero=1", "FSDP2 (ZeRO-2 mode)"), ("fxp
 PP_PAIRS = [("fxpar pp=2 1f1b", "torch.pipelining 1f1b")]
 
 
-def systems(pairs: list[tuple[str, str]]) -> dict[str, str]:
-    """Every fxpar system, eager and compiled, mapped to its baseline in the same mode."""
+def systems(pairs: list[tuple[str, str]], eager_only: bool = False) -> dict[str, str]:
+    """Every fxpar system, eager and (unless ``eager_only``) compiled, mapped to its baseline in the same mode."""
     base = {}
     for fx, torch_name in pairs:
         base[fx] = torch_name
-        base[f"{fx} compile=True"] = torch_name + COMPILED
+        if not eager_only:
+            base[f"{fx} compile=True"] = torch_name + COMPILED
     return base
 
 
@@ -154,13 +155,13 @@ def measure(builder: Any, names: list[str], foreach: bool) -> dict[str, Any]:
     return out
 
 
-def dp_main(foreach: bool) -> dict[str, Any]:
-    base = systems(PAIRS)
+def dp_main(foreach: bool, eager_only: bool) -> dict[str, Any]:
+    base = systems(PAIRS, eager_only)
     return measure(build_dp, list(dict.fromkeys(n for pair in base.items() for n in pair)), foreach)
 
 
-def pp_main(foreach: bool) -> dict[str, Any]:
-    base = systems(PP_PAIRS)
+def pp_main(foreach: bool, eager_only: bool) -> dict[str, Any]:
+    base = systems(PP_PAIRS, eager_only)
     return measure(build_pp, list(dict.fromkeys(n for pair in base.items() for n in pair)), foreach)
 
 
@@ -183,23 +184,25 @@ def report(res: dict[str, Any], base: dict[str, str]) -> list[str]:
 def main() -> None:
     from fxpar.testing.launch import run_ranks
 
-    args = bench_args(__doc__, flags=(("--foreach", "AdamW(foreach=True) on every system"),))
-    foreach = args.foreach
+    args = bench_args(__doc__, flags=(("--foreach", "AdamW(foreach=True) on every system"),
+                                       ("--eager-only", "leave out the compiled systems (a quick second sample)")))
+    foreach, eager = args.foreach, args.eager_only
     t0 = time.perf_counter()
-    dp = run_ranks(dp_main, WORLD, foreach, timeout=1800, collective_timeout=900)
-    pp = run_ranks(pp_main, WORLD, foreach, timeout=1200, collective_timeout=900)
+    dp = run_ranks(dp_main, WORLD, foreach, eager, timeout=1800, collective_timeout=900)
+    pp = run_ranks(pp_main, WORLD, foreach, eager, timeout=1200, collective_timeout=900)
     res = {**dp[0], **pp[0]}
-    base = {**systems(PAIRS), **systems(PP_PAIRS)}
+    base = {**systems(PAIRS, eager), **systems(PP_PAIRS, eager)}
     warm = ", ".join(f"{name} {r['warmup_s']:.1f} s" for name, r in res.items())
     optimizer = "AdamW(foreach=True)" if foreach else "AdamW (torch's default implementation)"
-    lines = [f"`{COMMAND}{' --foreach' if foreach else ''}` (2 gloo ranks: dp=2, then pp=2 1F1B with "
+    flags = (" --foreach" if foreach else "") + (" --eager-only" if eager else "")
+    lines = [f"`{COMMAND}{flags}` (2 gloo ranks: dp=2, then pp=2 1F1B with "
              f"{MICROBATCHES} microbatches; Llama {CONFIG['n_layers']} layers, hidden {CONFIG['hidden']}, vocab "
              f"{CONFIG['vocab_size']}; batch {BATCH} x seq {SEQ}; fp32, {optimizer}; step time max over ranks, "
              f"median of {STEPS} steps in {ROUNDS} interleaved rounds after {WARMUP} warm-up steps)", "",
              *report(res, base), "",
              f"Warm-up (first {WARMUP} steps, compilation included): {warm}.", ""]
     publish_gloo_run("compiled", "compiled", COMMAND, lines, {"dp": dp, "pp": pp}, t0, not args.no_readme,
-                     CONFIG, BATCH, SEQ, foreach=foreach)
+                     CONFIG, BATCH, SEQ, foreach=foreach, eager_only=eager)
 
 
 if __name__ == "__main__":
