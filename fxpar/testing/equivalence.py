@@ -31,16 +31,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 import fxpar
 from fxpar import serialize
 from fxpar.api import compile_program
 from fxpar.compiled import Compiled
 from fxpar.mixed_precision import computing_in
-from fxpar.split import BATCH_AXES, Splitter, batch_ranks, batch_weight, chunk_sizes, rank_batch
+from fxpar.split import batch_ranks
 from fxpar.testing.collectives import LOSS_REPORT, CollectiveCounter, ledger_mismatch
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
+from fxpar.testing.shards import (
+    batch_size,
+    call_model,
+    dp_shard,
+    input_values,
+    map_inputs,
+    output_leaves,
+    output_shard,
+    param_coord,
+    rank_batch_weight,
+    shard_of,
+)
 from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
 
 ModelFn = Callable[[], torch.nn.Module]
@@ -173,7 +185,7 @@ def _explain(case: Case, mismatches: list[Mismatch]) -> str:
 
 def _replay(case: Case) -> str:
     shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else repr(x)
-                       for x in _values(case.inputs))
+                       for x in input_values(case.inputs))
     return (f"replay: fxpar.testing.assert_equivalent({describe(case.model_fn)}, {case.mesh_axes!r}, {case.plan!r}, "
             f"inputs, steps={case.steps}, seed={case.seed})  # inputs: ({shapes})")
 
@@ -220,28 +232,28 @@ def _check_rank(case: Case, mesh: fxpar.Mesh, rank: int, reference: torch.nn.Mod
     if len(pm._compiled.stages) > 1 or pm._compiled.microbatches > 1 or case.targets is not None:
         return _check_steps(case, pm, reference, report)
     tol = default_tolerance(_compute_dtype(case, reference), case.rtol, case.atol)
-    local_inputs = _dp_shard(case.inputs, mesh, rank)
+    local_inputs = dp_shard(case.inputs, mesh, rank)
     opt = torch.optim.AdamW(pm.parameters(), lr=case.lr, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
     loss_fn = case.loss_fn or mean_square
-    pcoord, psizes = _param_coord(mesh, rank)
+    pcoord, psizes = param_coord(mesh, rank)
     ledger = pm.ledger(rank)
     for step in range(case.steps):
         with CollectiveCounter() as issued:
-            out = _call(pm, local_inputs)
+            out = call_model(pm, local_inputs)
             loss = loss_fn(out)
             loss.backward()
         _check_ledger(ledger, issued.calls, [], step, report)
-        ref_out = _call(reference, case.inputs)
-        names, ref_leaves = _output_leaves(ref_out)
+        ref_out = call_model(reference, case.inputs)
+        names, ref_leaves = output_leaves(ref_out)
         for name, got, want, placements in zip(names, pytree.tree_leaves(out), ref_leaves, pm.output_placements(),
                                                strict=True):
             if isinstance(want, torch.Tensor):
-                _compare(name, got, _output_shard(want, placements, mesh, rank, _batch(case.inputs)), step, tol,
+                _compare(name, got, output_shard(want, placements, mesh, rank, batch_size(case.inputs)), step, tol,
                          report)
         ref_loss = loss_fn(ref_out)
         ref_loss.backward()
-        report.losses.append((_global_mean(loss, mesh, _batch_weight(mesh, rank, case.inputs)), ref_loss.item()))
+        report.losses.append((_global_mean(loss, mesh, rank_batch_weight(mesh, rank, case.inputs)), ref_loss.item()))
         _compare_grads_and_step(case, pm, reference, opt, ref_opt, step, tol, report, pcoord, psizes)
     return report
 
@@ -250,12 +262,12 @@ def _check_steps(case: Case, pm: fxpar.ParallelModule, reference: torch.nn.Modul
     """``pm.step`` (pipeline schedule, microbatches) against the single-device loss, gradients and parameters."""
     mesh, rank = pm.mesh, report.rank
     tol = default_tolerance(_compute_dtype(case, reference), case.rtol, case.atol)
-    local_inputs = _dp_shard(case.inputs, mesh, rank)
-    local_targets = _dp_shard((case.targets,), mesh, rank)[0] if case.targets is not None else None
+    local_inputs = dp_shard(case.inputs, mesh, rank)
+    local_targets = dp_shard((case.targets,), mesh, rank)[0] if case.targets is not None else None
     opt = torch.optim.AdamW(pm.parameters(), lr=case.lr, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
     loss_fn = case.loss_fn or mean_square
-    pcoord, psizes = _param_coord(mesh, rank)
+    pcoord, psizes = param_coord(mesh, rank)
     ledger = pm.ledger(rank)
     for step in range(case.steps):
         model_args = (local_inputs,) if isinstance(local_inputs, dict) else local_inputs
@@ -292,7 +304,7 @@ def _reference_step(case: Case, reference: torch.nn.Module, loss_fn: LossFn, dp:
 
     losses = []
     for j in range(m):
-        out = _call(reference, _map(functools.partial(microbatch, j=j), case.inputs))
+        out = call_model(reference, map_inputs(functools.partial(microbatch, j=j), case.inputs))
         loss = loss_fn(out, microbatch(case.targets, j)) if case.targets is not None else loss_fn(out)
         (loss / m).backward()
         losses.append(loss.detach())
@@ -316,15 +328,6 @@ def _compare_grads_and_step(case: Case, pm: fxpar.ParallelModule, reference: tor
     for name, p in pm.named_parameters():
         _compare_param(f"{name} after step {step + 1}", p.data, ref_params[name].data, step, param_tol, report,
                        coord, sizes, absolute=True)
-
-
-def _param_coord(mesh: fxpar.Mesh, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's coordinate and the axis sizes of the mesh parameters live on (every axis but pp)."""
-    keep = [i for i, a in enumerate(mesh.names) if a != "pp"]
-    coord = mesh.coord(rank)
-    if not keep:
-        return (0,), (1,)
-    return tuple(coord[i] for i in keep), tuple(mesh.shape[i] for i in keep)
 
 
 def _compile_once(model: torch.nn.Module, mesh: fxpar.Mesh, case: Case) -> Compiled:
@@ -367,70 +370,6 @@ def _build_twice(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
     return reference, model
 
 
-def _dp_shard(inputs: tuple[Any, ...], mesh: fxpar.Mesh, rank: int) -> tuple[Any, ...]:
-    """This rank's batch piece of each batched input (``fxpar.split.rank_batch``)."""
-    if not any(a in BATCH_AXES and mesh.axes[a] > 1 for a in mesh.names):
-        return inputs
-    batch = _batch(inputs)  # inputs whose dim 0 is not the batch (a [1, s] table) are replicated, as fxpar does
-
-    def piece(x: Any) -> Any:
-        if not (isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch):
-            return x
-        return rank_batch(x, mesh, rank)
-
-    return _map(piece, inputs)
-
-
-def _values(inputs: tuple[Any, ...] | dict[str, Any]) -> list[Any]:
-    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
-
-
-def _map(fn: Callable[[Any], Any], inputs: tuple[Any, ...] | dict[str, Any]) -> Any:
-    """``fn`` applied to each positional or keyword input."""
-    return {k: fn(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(fn(x) for x in inputs)
-
-
-def _call(model: Any, inputs: tuple[Any, ...] | dict[str, Any]) -> Any:
-    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-
-
-def _batch(inputs: tuple[Any, ...] | dict[str, Any]) -> int | None:
-    return next((x.shape[0] for x in _values(inputs) if isinstance(x, torch.Tensor) and x.ndim), None)
-
-
-def _batch_weight(mesh: fxpar.Mesh, rank: int, inputs: tuple[Any, ...]) -> float:
-    dp = mesh.axes.get("dp", 1)
-    if dp == 1:
-        return 1.0
-    return batch_weight(Splitter(mesh.names, mesh.shape, _batch(inputs)), mesh.coord(rank)[mesh.axis_index("dp")],
-                        mesh)
-
-
-def _output_leaves(out: Any) -> tuple[list[str], list[Any]]:
-    """Names (``output``, ``output[0]``, ``output.logits``) and leaves of the reference outputs."""
-    flat, _ = pytree.tree_flatten_with_path(out)
-    return [f"output{pytree.keystr(path)}" for path, _ in flat], [leaf for _, leaf in flat]
-
-
-def _shard_of(full: torch.Tensor, placements: Any, coord: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    """This rank's piece of ``full`` under a DTensor's ``placements`` (DTensor's split, uneven and empty pieces)."""
-    for p, c, n in zip(placements, coord, sizes, strict=True):
-        if isinstance(p, Shard):
-            pieces = chunk_sizes(full.shape[p.dim], n)
-            full = full.narrow(p.dim, sum(pieces[:c]), pieces[c])
-    return full
-
-
-def _output_shard(full: torch.Tensor, placements: Any, mesh: fxpar.Mesh, rank: int, batch: int | None) -> torch.Tensor:
-    """This rank's piece of a model output (split as ``fxpar.split`` says: the batch's first dp ranks one more)."""
-    split, coord = Splitter(mesh.names, mesh.shape, batch), mesh.coord(rank)
-    for ax, p in enumerate(placements):
-        if isinstance(p, Shard):
-            start, size = split.piece(full.shape[p.dim], ax, coord[ax])
-            full = full.narrow(p.dim, start, size)
-    return full
-
-
 def _compare_param(name: str, got: torch.Tensor | None, want: torch.Tensor | None, step: int, tol: Tolerance,
                    report: RankReport, coord: tuple[int, ...], sizes: tuple[int, ...], absolute: bool = False) -> None:
     if got is None or want is None:
@@ -439,7 +378,7 @@ def _compare_param(name: str, got: torch.Tensor | None, want: torch.Tensor | Non
                                               math.inf, tol.rtol, tol.atol))
         return
     if isinstance(got, DTensor):
-        want = _shard_of(want, got.placements, coord, sizes)
+        want = shard_of(want, got.placements, coord, sizes)
         got = got.to_local()
     _compare(name, got, want, step, tol, report, absolute)
 
