@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.auto import resolve_plan_arg
+from fxpar.capture_memo import one_call
 from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, compile_model
 from fxpar.mesh import Mesh
@@ -41,8 +42,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     if not mesh.fake:
         mesh.device_mesh()  # validates the world size before any work
         rank = dist.get_rank()
-    plan = resolve_plan_arg(plan, model, mesh, example_inputs, cluster, loss_fn)
-    compiled = compile_program(model, mesh, example_inputs, plan, loss_fn=loss_fn)
+    with one_call(model):  # a plan search and the final compile capture the model once
+        plan = resolve_plan_arg(plan, model, mesh, example_inputs, cluster, loss_fn)
+        compiled = compile_program(model, mesh, example_inputs, plan, loss_fn=loss_fn)
     pm = ParallelModule(compiled, model, rank, loss_fn=loss_fn)
     pm.proof = verify(pm)  # what the collective-order proof checked (ranks, roles, groups, events)
     return pm
@@ -58,5 +60,6 @@ def compile_program(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[An
     ``ParallelModule(compiled, model, rank, loss_fn)`` then builds a rank's module from it.
     Ensures: ``compiled.timings`` holds seconds per stage of compilation (capture and each pass).
     """
-    plan = resolve_plan_arg(plan, model, mesh, example_inputs, None, loss_fn, none_means_auto=False)
-    return compile_model(model, mesh, example_inputs, plan, loss_fn)
+    with one_call(model):
+        plan = resolve_plan_arg(plan, model, mesh, example_inputs, None, loss_fn, none_means_auto=False)
+        return compile_model(model, mesh, example_inputs, plan, loss_fn)

@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from fxpar.backward_split import split_backward
 from fxpar.blocks import BLOCK_OPS
 from fxpar.capture import Sharing, capture, capture_joint, export_fake, with_shared_blocks
+from fxpar.capture_memo import reused
 from fxpar.errors import PlanError
 from fxpar.ir import Program
 from fxpar.lower import RankProgram, lower
@@ -117,6 +118,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     ``notes["stage"]`` set when there are several; timings of capture and each pass.
     """
     plan = as_plan(plan, mesh.axes)
+    user_model = model
     kind, keys, flat = _flatten_inputs(example_inputs)
     n_user = len(flat)
     constants = {k: v for k, v in zip(keys or range(n_user), flat, strict=True) if not _is_tensor(v)}
@@ -135,13 +137,18 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     start = time.perf_counter()
     ctx = Context(modules=module_table(model, plan.tp), plan=plan, timings=timings)
     if n_stages == 1:
-        programs = [capture(model, mesh, tuple(mb_inputs), plan.param_dtype)]
+        what = ("whole", kind, keys, repr(constants))
+        programs = [reused(user_model, what, mesh, mb_inputs, plan.param_dtype,
+                           lambda: capture(model, mesh, tuple(mb_inputs), plan.param_dtype)).replace(mesh=mesh)]
         timings["capture"] = time.perf_counter() - start
         programs = [run_pipeline(_with_sequence(programs[0], mb_inputs), ctx)]
         notes: dict[str, Any] = {}
         out_spec = programs[0].signature.out_spec
     else:
-        programs, notes, out_spec = _compile_stages(model, mesh, mb_inputs, plan.stages or n_stages, ctx)
+        what = ("stages", kind, keys, repr(constants), repr(plan.stages or n_stages))
+        programs, notes, out_spec = _compile_stages(model, mesh, mb_inputs, plan.stages or n_stages, ctx,
+                                                    lambda build: reused(user_model, what, mesh, mb_inputs,
+                                                                         plan.param_dtype, build))
         if len(programs) % pp:
             raise PlanError(f"{len(programs)} stages is not a multiple of pp={pp}: each pp rank holds the same number "
                             "of stages (stages = v * pp)")
@@ -214,10 +221,12 @@ def _microbatch_inputs(flat: list[Any], mesh: Mesh, m: int) -> list[Any]:
     return [x[: batch // m] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == batch else x for x in flat]
 
 
-def _compile_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages: Any, ctx: Context
-                    ) -> tuple[list[Program], dict[str, Any], Any]:
-    captured, split, out_spec = with_shared_blocks(lambda share: _capture_stages(model, mesh, flat, stages, ctx,
-                                                                                 share))
+def _compile_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages: Any, ctx: Context,
+                    memo: Callable[[Callable[[], Any]], Any]) -> tuple[list[Program], dict[str, Any], Any]:
+    """Capture the stages (through ``memo``: ``fxpar.capture_memo``), then run the passes on each."""
+    captured, split, out_spec = memo(lambda: with_shared_blocks(
+        lambda share: _capture_stages(model, mesh, flat, stages, ctx, share)))
+    captured = [_with_sequence(prog.replace(mesh=mesh), flat) for prog in captured]
     programs = [run_pipeline(prog, ctx) for prog in captured]
     total = sum(split.costs) or 1.0
     notes = {"stage starts": ", ".join(split.starts),
@@ -242,8 +251,7 @@ def _capture_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages:
         ctx.timings["capture"] = ctx.timings.get("capture", 0.0) + time.perf_counter() - t0
         info = StageInfo(sg.index, len(split.stages), tuple(sg.received), tuple(sg.user_inputs), tuple(sg.sent),
                          sg.first_module, sg.cost)
-        notes = {**prog.notes, "stage": info, "captures": exported.captures}
-        programs.append(_with_sequence(prog.replace(notes=notes), flat))
+        programs.append(prog.replace(notes={**prog.notes, "stage": info, "captures": exported.captures}))
     return programs, split, exported.out_spec
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fxpar.candidates import Candidate, SearchReport, plan_line
+from fxpar.capture_memo import one_call
 from fxpar.closed_form import Choice, ClosedForm, evaluate
 from fxpar.cluster import Cluster
 from fxpar.compiled import compile_model
@@ -65,8 +66,9 @@ def search(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, los
     ranked = _rank(profile, cluster, fixed, report)
     report.seconds["closed forms"] = time.perf_counter() - started - report.seconds["profile"]
     budget = max(budget_s - (time.perf_counter() - started), 0.0)
-    candidates = _confirm(model, example_inputs, loss_fn, cluster, ranked, base, profile, fixed, report,
-                          confirm, top, budget)
+    with one_call(model):  # the candidates capture the model once per distinct capture key (fxpar.capture_memo)
+        candidates = _confirm(model, example_inputs, loss_fn, cluster, ranked, base, profile, fixed, report,
+                              confirm, top, budget)
     report.seconds["confirm"] = time.perf_counter() - started - sum(report.seconds.values())
     report.candidates = candidates
     return candidates
