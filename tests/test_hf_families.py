@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import fxpar
+from fxpar.capture_memo import CaptureMemo
 from fxpar.testing import assert_equivalent
 
 pytest.importorskip("transformers")
@@ -50,11 +51,16 @@ def _params_with_grads(family: str) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.grad is not None]
 
 
+# each family is compiled under several meshes: its capture is reused by family name (fxpar.capture_memo;
+# tests/test_capture_memo.py shows a reused capture compiles to the same programs)
+CAPTURES = CaptureMemo(size=len(hf_families.FAMILIES) + 8)
+
+
 def _compile(family: str, axes: dict[str, int], plan: fxpar.Plan | None = None) -> fxpar.ParallelModule:
-    with warnings.catch_warnings():
+    model = hf_families.builder(family)()
+    with warnings.catch_warnings(), CAPTURES.vouching(model, key=family):
         warnings.simplefilter("ignore", fxpar.FxparWarning)
-        return fxpar.parallelize(hf_families.builder(family)(), fxpar.Mesh(axes, fake=True),
-                                 hf_families.inputs(family), plan=plan)
+        return fxpar.parallelize(model, fxpar.Mesh(axes, fake=True), hf_families.inputs(family), plan=plan)
 
 
 @pytest.mark.parametrize("family", hf_families.FAMILIES)
@@ -97,8 +103,10 @@ MOE = ["mixtral", "mixtral_batched", "qwen2_moe", "qwen3_moe", "olmoe"]
 def test_expert_parallel_compiles_and_routes_tokens(family: str) -> None:
     """At dp=2 x ep=2 each MoE layer routes with five all-to-alls over ep (three forward, two backward) and nothing
     gathers the batch. HF's eager experts (a data-dependent Python loop, a capture error at dp) trace as one op."""
-    pm = fxpar.parallelize(hf_families.builder(family)(), fxpar.Mesh({"dp": 2, "ep": 2}, fake=True),
-                           hf_families.inputs(family.removesuffix("_eager_experts")))
+    model = hf_families.builder(family)()
+    with CAPTURES.vouching(model, key=family):
+        pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2, "ep": 2}, fake=True),
+                               hf_families.inputs(family.removesuffix("_eager_experts")))
     rows = pm.ledger(0)
     assert len([r for r in rows if r.op == "all_to_all" and r.axis == "ep"]) == 5 * hf_families.LAYERS
     assert not [r for r in rows if r.op == "all_gather"]

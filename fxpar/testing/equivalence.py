@@ -34,12 +34,10 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 import fxpar
-from fxpar import serialize
-from fxpar.api import compile_program
-from fxpar.compiled import Compiled
 from fxpar.mixed_precision import computing_in
 from fxpar.split import batch_ranks
 from fxpar.testing.collectives import LOSS_REPORT, CollectiveCounter, ledger_mismatch
+from fxpar.testing.compile_once import compile_once
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
 from fxpar.testing.shards import (
     batch_size,
@@ -224,7 +222,9 @@ def _compute_dtype(case: Case, reference: torch.nn.Module) -> torch.dtype:
 
 def _check_rank(case: Case, mesh: fxpar.Mesh, rank: int, reference: torch.nn.Module,
                 model: torch.nn.Module) -> RankReport:
-    pm = fxpar.ParallelModule(_compile_once(model, mesh, case), model, rank, loss_fn=case.loss_fn or mean_square)
+    loss_fn = case.loss_fn or mean_square
+    compiled = compile_once(model, mesh, case.inputs, case.plan, loss_fn, case.model_fn)  # on rank 0, sent to all
+    pm = fxpar.ParallelModule(compiled, model, rank, loss_fn=loss_fn)
     fxpar.verify(pm)
     if case.rank_hook is not None:
         case.rank_hook(pm, rank)
@@ -235,7 +235,6 @@ def _check_rank(case: Case, mesh: fxpar.Mesh, rank: int, reference: torch.nn.Mod
     local_inputs = dp_shard(case.inputs, mesh, rank)
     opt = torch.optim.AdamW(pm.parameters(), lr=case.lr, eps=ADAM_EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=case.lr, eps=ADAM_EPS)
-    loss_fn = case.loss_fn or mean_square
     pcoord, psizes = param_coord(mesh, rank)
     ledger = pm.ledger(rank)
     for step in range(case.steps):
@@ -328,26 +327,6 @@ def _compare_grads_and_step(case: Case, pm: fxpar.ParallelModule, reference: tor
     for name, p in pm.named_parameters():
         _compare_param(f"{name} after step {step + 1}", p.data, ref_params[name].data, step, param_tol, report,
                        coord, sizes, absolute=True)
-
-
-def _compile_once(model: torch.nn.Module, mesh: fxpar.Mesh, case: Case) -> Compiled:
-    """The global program, compiled on rank 0 and sent to every rank (``fxpar.serialize``).
-
-    ``fxpar.parallelize`` compiles on every rank; the programs are identical, and compiling once
-    makes a many-rank check on a small machine several times cheaper. Every rank (rank 0 too) runs
-    the deserialized program, so all ranks take the same path. A compile error is re-raised on all ranks.
-    """
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            payload[0] = serialize.dumps(compile_program(model, mesh, case.inputs, case.plan,
-                                                         loss_fn=case.loss_fn or mean_square))
-        except Exception as e:  # noqa: BLE001 - sent to every rank, then raised everywhere
-            payload[0] = e
-    dist.broadcast_object_list(payload, src=0)
-    if isinstance(payload[0], BaseException):
-        raise payload[0]
-    return serialize.loads(payload[0], mesh)
 
 
 def mean_square(outputs: Any) -> torch.Tensor:

@@ -1,15 +1,20 @@
 """Rank bodies that measure what a real step holds, for tests that compare them with predictions.
 
-Module-level functions so the rank pool can run them (``default_pool().run(fn, world, ...)``).
+Module-level functions so the rank pool can run them (``default_pool().run(fn, world, ...)``). Each builds its
+module with ``parallelize_once`` (rank 0 compiles for all; ``fxpar.testing.compile_once``): what they measure is
+the step, not the compile, which ``tests/test_run.py`` and ``tests/test_launch.py`` run on every launched rank.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from fxpar.testing.compile_once import parallelize_once
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -35,7 +40,7 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
     rank = dist.get_rank()
     torch.manual_seed(0)
     mesh = fxpar.Mesh(mesh_axes)
-    pm = fxpar.parallelize(model_fn(), mesh, (tokens,), plan=plan, loss_fn=loss_fn, example_targets=tokens)
+    pm = parallelize_once(model_fn, mesh, (tokens,), plan, loss_fn=loss_fn)
     dp = mesh_axes.get("dp", 1)
     local = tokens.chunk(dp)[mesh.coord(rank)[mesh.axis_index("dp")]] if dp > 1 else tokens
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -86,7 +91,7 @@ def checkpoint_round(folder: str, save: bool, model_fn: Any, mesh_axes: dict[str
 
     torch.manual_seed(0)
     mesh = fxpar.Mesh(mesh_axes)
-    pm = fxpar.parallelize(model_fn(), mesh, (tokens,), plan=plan, loss_fn=loss_fn, example_targets=tokens)
+    pm = parallelize_once(model_fn, mesh, (tokens,), plan, loss_fn=loss_fn)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     if save:
         _train(pm, opt, mesh, tokens, steps_before)
@@ -106,7 +111,7 @@ def fp8_step(config: Any, mesh_axes: dict[str, int], plan: Any, x: torch.Tensor)
 
     torch.manual_seed(0)
     mesh = fxpar.Mesh(mesh_axes)
-    pm = fxpar.parallelize(MLP(config), mesh, (x,), plan=plan)
+    pm = parallelize_once(functools.partial(MLP, config), mesh, (x,), plan)
     dp = mesh_axes.get("dp", 1)
     local = x.tensor_split(dp)[mesh.coord(dist.get_rank())[mesh.axis_index("dp")]] if dp > 1 else x
     out = pm(local)
@@ -130,6 +135,5 @@ def llama_losses(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor, ste
 
     torch.manual_seed(0)
     mesh = fxpar.Mesh(mesh_axes)
-    pm = fxpar.parallelize(llama(n_layers=2), mesh, (tokens,), plan=plan, loss_fn=next_token_loss,
-                           example_targets=tokens)
+    pm = parallelize_once(functools.partial(llama, n_layers=2), mesh, (tokens,), plan, loss_fn=next_token_loss)
     return _train(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), mesh, tokens, steps)
