@@ -53,3 +53,40 @@ def test_fake_mesh_512_ranks_prints_rank_37() -> None:
     assert 'comm.all_reduce(' in text and "TP)" in text
     compile(text, "rank37.py", "exec")  # the printed program is valid Python
     assert not torch.distributed.is_initialized()
+
+
+def _sdpa_as_cuda_kernel(kernel: str):  # noqa: ANN202 - a stand-in for F.scaled_dot_product_attention
+    """SDPA as it decomposes on a GPU: straight to CUDA's flash, memory-efficient or cuDNN kernel."""
+    aten = torch.ops.aten
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN202
+        assert attn_mask is None and not enable_gqa
+        if kernel == "flash":
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+        if kernel == "efficient":
+            return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
+                                                                scale=scale)[0]
+        return aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout_p, is_causal, scale=scale)[0]
+
+    return sdpa
+
+
+def test_cuda_attention_kernels_compile_to_the_cpu_kernels_ledger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tp plan with sequence parallelism compiles when attention is one of CUDA's kernels (it failed in
+    propagation before they had rules), with heads sharded: the same collectives, bytes for bytes, as with the
+    CPU kernel, on every role, and a passing proof."""
+    cfg = LlamaConfig(n_layers=1, hidden=64, intermediate=128, n_heads=8, n_kv_heads=4, vocab_size=128, max_seq=32)
+    tokens = torch.randint(0, 128, (4, 32))
+    plan = fxpar.Plan(tp=llama_plan(), sequence_parallel=True, zero=1)
+    mesh = fxpar.Mesh({"dp": 2, "tp": 4}, fake=True)
+
+    def ledgers() -> list[list[object]]:
+        pm = fxpar.parallelize(Llama(cfg), mesh, (tokens,), plan=plan)
+        fxpar.verify(pm)
+        return [pm.ledger(rank) for rank in (0, 5)]
+
+    on_cpu = ledgers()
+    assert any(r.axis == "tp" for r in on_cpu[0])
+    for kernel in ("flash", "efficient", "cudnn"):
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _sdpa_as_cuda_kernel(kernel))
+        assert ledgers() == on_cpu, kernel

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from fxpar.passes.propagate import is_plain_sum
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxpar.rules import FXPAR_RULES, candidates
@@ -54,6 +58,86 @@ def test_sdpa_cpu_backward_rules() -> None:
 
 def test_fxpar_rules_are_registered_for_cpu_attention() -> None:
     assert aten._scaled_dot_product_flash_attention_for_cpu.default in FXPAR_RULES
+
+
+def _cuda_attention_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    """Each CUDA attention kernel's forward and backward call on ``q, k, v`` (the backward's arguments come from
+    the forward's outputs), keyed by name."""
+    flash, eff, cudnn = (aten._scaled_dot_product_flash_attention.default,
+                         aten._scaled_dot_product_efficient_attention.default,
+                         aten._scaled_dot_product_cudnn_attention.default)
+    f = flash(q, k, v, 0.0, True)
+    e = eff(q, k, v, bias, True, 0.0, bias is None)
+    c = cudnn(q, k, v, None, True, 0.0, True)
+    g = torch.ones_like(f[0])
+    mask = [True, True, True, bias is not None and bias.requires_grad]
+    return {
+        "flash": (flash, (q, k, v, 0.0, True)),
+        "flash_backward": (aten._scaled_dot_product_flash_attention_backward.default,
+                           (g, q, k, v, f[0], f[1], f[2], f[3], f[4], f[5], 0.0, True, f[6], f[7])),
+        "efficient": (eff, (q, k, v, bias, True, 0.0, bias is None)),
+        "efficient_backward": (aten._scaled_dot_product_efficient_attention_backward.default,
+                               (g, q, k, v, bias, e[0], e[1], e[2], e[3], 0.0, mask, bias is None)),
+        "cudnn": (cudnn, (q, k, v, None, True, 0.0, True)),
+        "cudnn_backward": (aten._scaled_dot_product_cudnn_attention_backward.default,
+                           (g, q, k, v, c[0], c[1], c[6], c[7], None, c[2], c[3], c[4], c[5], 0.0, True)),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flash_backward", "efficient", "efficient_backward", "cudnn",
+                                    "cudnn_backward"])
+def test_cuda_attention_rules_shard_heads_and_batch(kernel: str) -> None:
+    """CUDA's attention kernels (what SDPA becomes on a GPU) shard on heads or batch like the CPU kernel, and
+    their RNG seed and offset stay replicated (on fake tensors: the kernels have no CPU implementation)."""
+    with FakeTensorMode():
+        op, args = _cuda_attention_calls(*_qkv(b=4, h=8, s=16, d=16))[kernel]
+    tensors = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    found = candidates(op, args, {}, [Replicate()] * len(tensors), 4)
+    assert [c.output[0] for c in found] == [Replicate(), Shard(1), Shard(0)]
+    assert [c.output[0] for c in candidates(op, args, {}, [Replicate()] * len(tensors), 3)] == [Replicate(), Shard(0)]
+    for cand in found[1:]:
+        for t, p in zip(tensors, cand.inputs, strict=True):
+            assert p == (Replicate() if t.dim() < 3 else cand.output[0]), (kernel, tuple(t.shape), p)
+
+
+def test_cuda_attention_bias_broadcast_on_heads() -> None:
+    """A bias broadcast over heads stays whole when heads shard; when its gradient is wanted, heads cannot shard
+    (each rank would hold a partial sum of it)."""
+    with FakeTensorMode():
+        q, k, v = _qkv(b=4, h=8, s=16, d=16)
+        no_grad = _cuda_attention_calls(q, k, v, torch.randn(4, 1, 16, 16))
+        with_grad = _cuda_attention_calls(q, k, v, torch.randn(4, 1, 16, 16, requires_grad=True))
+    op, args = no_grad["efficient"]
+    heads = [c for c in candidates(op, args, {}, [Replicate()] * 4, 2) if c.output[0] == Shard(1)]
+    assert heads and heads[0].inputs == (Shard(1), Shard(1), Shard(1), Replicate())
+    op, args = with_grad["efficient_backward"]
+    found = candidates(op, args, {}, [Replicate()] * 9, 2)
+    assert [c.output[0] for c in found] == [Replicate(), Shard(0)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's attention kernels need a GPU")
+@pytest.mark.parametrize("kernel", ["flash", "flash_backward", "efficient", "efficient_backward", "cudnn",
+                                    "cudnn_backward"])
+def test_cuda_attention_rules_on_real_shards(kernel: str) -> None:
+    """Each sharded candidate computes the kernel's per-head outputs from the shards (on the GPU)."""
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in _qkv(b=4, h=8, s=128, d=64))
+    op, args = _cuda_attention_calls(q, k, v)[kernel]
+    tensors = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    full = op(*args)
+    for cand in candidates(op, args, {}, [Replicate()] * len(tensors), 2)[1:]:
+        shards = [[t.chunk(2, p.dim)[r] if isinstance(p, Shard) else t for t, p in zip(tensors, cand.inputs,
+                                                                                         strict=True)]
+                  for r in range(2)]
+        outs = [op(*pytree.tree_unflatten(_replace_tensors(args, s), pytree.tree_structure(args))) for s in shards]
+        for j, (f, p) in enumerate(zip(full, cand.output, strict=True)):
+            if isinstance(p, Shard):  # seeds and offsets differ per call; per-head outputs must match
+                torch.testing.assert_close(torch.cat([o[j] for o in outs], p.dim), f, rtol=2e-2, atol=2e-2)
+
+
+def _replace_tensors(args: tuple[Any, ...], tensors: list[torch.Tensor]) -> list[Any]:
+    it = iter(tensors)
+    return [next(it) if isinstance(a, torch.Tensor) else a for a in pytree.tree_leaves(args)]
 
 
 ADAPTER_CASES = [
