@@ -120,24 +120,20 @@ def test_cuda_attention_bias_broadcast_on_heads() -> None:
 @pytest.mark.parametrize("kernel", ["flash", "flash_backward", "efficient", "efficient_backward", "cudnn",
                                     "cudnn_backward"])
 def test_cuda_attention_rules_on_real_shards(kernel: str) -> None:
-    """Each sharded candidate computes the kernel's per-head outputs from the shards (on the GPU)."""
+    """Each sharded candidate computes the kernel's per-head outputs from the shards (on the GPU), as a rank
+    program runs it: each rank's backward reads its own forward's outputs (layout and RNG state included)."""
     q, k, v = (t.to("cuda", torch.bfloat16) for t in _qkv(b=4, h=8, s=128, d=64))
     op, args = _cuda_attention_calls(q, k, v)[kernel]
     tensors = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
     full = op(*args)
     for cand in candidates(op, args, {}, [Replicate()] * len(tensors), 2)[1:]:
-        shards = [[t.chunk(2, p.dim)[r] if isinstance(p, Shard) else t for t, p in zip(tensors, cand.inputs,
-                                                                                         strict=True)]
-                  for r in range(2)]
-        outs = [op(*pytree.tree_unflatten(_replace_tensors(args, s), pytree.tree_structure(args))) for s in shards]
+        dim = cand.output[0].dim
+        outs = [op(*_cuda_attention_calls(*(t.chunk(2, dim)[r].contiguous() for t in (q, k, v)))[kernel][1])
+                for r in range(2)]
         for j, (f, p) in enumerate(zip(full, cand.output, strict=True)):
             if isinstance(p, Shard):  # seeds and offsets differ per call; per-head outputs must match
-                torch.testing.assert_close(torch.cat([o[j] for o in outs], p.dim), f, rtol=2e-2, atol=2e-2)
-
-
-def _replace_tensors(args: tuple[Any, ...], tensors: list[torch.Tensor]) -> list[Any]:
-    it = iter(tensors)
-    return [next(it) if isinstance(a, torch.Tensor) else a for a in pytree.tree_leaves(args)]
+                torch.testing.assert_close(torch.cat([o[j] for o in outs], p.dim), f, rtol=2e-2, atol=2e-2,
+                                           msg=lambda m, j=j, p=p: f"{kernel} output {j} on {p}: {m}")
 
 
 ADAPTER_CASES = [
