@@ -5,6 +5,7 @@
 * ``params``: the local shards of every parameter the rank holds (each once, also when a tied
   weight sits on two of its stages); with ZeRO-1 (``Plan(zero=1)``) a dp-sharded parameter counts
   its shard plus the tp-local copy gathered for the step (``4 Psi / N + 4 Psi`` in fp32; also ZeRO-2);
+  under mixed precision that copy is gathered in ``param_dtype`` (``4 Psi / N + 2 Psi`` with bf16);
   with ZeRO-3 only the shard (``4 Psi / N``): the graphs gather each parameter where they use it,
   and those gathered copies count in ``transient``;
 * ``grads``: one gradient per trainable parameter, the same size as its shard; with ZeRO-1 the
@@ -90,10 +91,12 @@ def predict(c: Compiled, rank: int) -> Memory:
         prog, rp = c.stages[s], c.rank_program(rank, s)
         placeholders = [n for n in rp.forward.graph.nodes if n.op == "placeholder"]
         trainable = {fqn for fqn, _ in prog.signature.grads}
-        for (fqn, _), node in zip(prog.signature.params, placeholders, strict=False):
-            full = nbytes(node) * (c.mesh.axes["dp"] if node.meta.get("zero3_shard") else 1)  # ZeRO-3 takes shards
+        for (fqn, name), node in zip(prog.signature.params, placeholders, strict=False):
+            gathered = nbytes(node) * (c.mesh.axes["dp"] if node.meta.get("zero3_shard") else 1)  # ZeRO-3: shards
+            # the master weight keeps its dtype; a ZeRO-1/2 working copy may be gathered in param_dtype
+            full = gathered // node.meta["val"].element_size() * prog.node(name).meta["val"].element_size()
             shard = full // c.mesh.axes["dp"] if fqn in rp.zero else full
-            working_copy = full if fqn in rp.zero and c.plan.zero < 3 else 0  # ZeRO-3 gathers inside the graphs
+            working_copy = gathered if fqn in rp.zero and c.plan.zero < 3 else 0  # ZeRO-3 gathers inside the graphs
             param_bytes[fqn] = shard + working_copy
             state_bytes[fqn] = 2 * shard
             if fqn in trainable:  # ZeRO-1 keeps the summed whole gradient until the step's end; ZeRO-2 does not

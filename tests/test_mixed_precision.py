@@ -89,14 +89,22 @@ def test_memory_formula_under_zero3() -> None:
     assert mem.transient >= 2 * max(p.numel() for p in llama(n_layers=2).parameters()) // 2
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_memory_equals_local_storage_after_a_real_step(zero: int) -> None:
+    # ZeRO-1: fp32 shards and Adam state, the whole fp32 gradient until the step's end, and the working copy
+    # gathered in bf16 (2 bytes per parameter, FSDP2's): 4 Psi / N + 2 Psi of params
     plan = fxpar.Plan(tp=llama_plan(), zero=zero, **MIXED)
+    psi = _local_elements(llama(), tp=2)
     for r in default_pool().run(measured_memory, 4, llama, {"dp": 2, "tp": 2}, plan, TOKENS, next_token_loss,
                                 timeout=300):
         mem = r["predicted"]
-        assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
+        copy = 2 * psi if zero == 1 else 0
+        whole_grads = 4 * psi if zero == 1 else 0
+        assert r["working_copy"] == copy
+        assert (mem.params - copy, mem.grads - whole_grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
         assert mem.activations == r["saved_per_microbatch"]
+        if zero == 1:
+            assert (mem.params, mem.optimizer) == (4 * psi // 2 + 2 * psi, 8 * psi // 2)
 
 
 def test_dp2_tp2_matches_the_single_device_casts() -> None:
@@ -131,11 +139,16 @@ def test_fp16_and_tied_weights_match_the_single_device_casts() -> None:
 
 
 def test_zero2_gathers_the_working_copy_in_bf16_and_matches() -> None:
-    # a parameter read only through its cast crosses the wire in bf16 and is cast back: the forward's cast of
-    # that working copy is the cast of the master weight, value for value
+    # a parameter read only through its cast is cast on its shard, crosses the wire in bf16 and stays bf16: the
+    # graphs read that working copy where they cast the master weight (the same values), and hold 2 bytes per
+    # parameter of it while gathered, FSDP2's
     psi = _local_elements(llama(n_layers=2), tp=2)
     pm = _compile({"dp": 2, "tp": 2}, zero=2, **MIXED)
     gathers = [r for r in pm.ledger(0) if r.axis == "dp" and r.op == "all_gather"]
     assert {r.dtype for r in gathers} == {BF16} and sum(r.bytes for r in gathers) == 2 * psi
+    assert pm.memory(0).params == 4 * psi // 2 + 2 * psi
+    program = pm.program(0)
+    assert "_to_copy(layers_0_attn_q_weight" not in program  # the forward reads the bf16 working copy itself
+    assert "# layers_0_attn_q_weight: bf16[" in program
     assert_equivalent(partial(llama, n_layers=2), {"dp": 2}, fxpar.Plan(zero=2, microbatches=2, **MIXED), (TOKENS,),
                       steps=2)

@@ -32,9 +32,9 @@ class StepCollectives:
 
     def gather_params_graph(self) -> fx.Graph | None:
         """``gather_params(shard...)``: ZeRO's once-per-step all-gather of the dp-sharded parameters (fqn order), in
-        flat buckets; under mixed precision a parameter only ever read through its cast to ``param_dtype`` is gathered
-        in ``param_dtype`` and cast back (FSDP2's bytes; the forward's cast of the working copy gives the same
-        values as casting the master weight)."""
+        flat buckets; under mixed precision a parameter only ever read through its cast to ``param_dtype`` is cast on
+        its shard, gathered and kept in ``param_dtype`` (FSDP2's bytes on the wire and 2 bytes per parameter while
+        gathered): the graphs read that working copy where they cast the parameter (``working_copy_dtype``)."""
         if not self.zero or self.zero3:
             return None
         with self.into(fx.Graph(), phase="fwd") as graph:
@@ -60,8 +60,24 @@ class StepCollectives:
                                                    fqn, contiguous=True)
                     elif bucket:
                         results.update(self.gather_bucket(list(moved.items())))
-            self.graph.output(tuple(self._cast(results[fqn], shards[fqn].meta["val"].dtype, fqn) for fqn in shards))
+            self.graph.output(tuple(results[fqn] for fqn in shards))
         return graph
+
+    def working_copy_dtype(self, name: str) -> torch.dtype | None:
+        """ZeRO-1/2 under mixed precision: ``param_dtype`` for a parameter placeholder whose every read is its cast to
+        it (its working copy is gathered in that dtype, and the graphs read it in place of the cast), else None."""
+        compute = self.prog.notes.get("mixed_precision", (None, None))[0]
+        fqn = self.param_fqn.get(name)
+        if compute is None or self.zero3 or fqn not in self.zero or not self._read_only_as(fqn, compute):
+            return None
+        return compute
+
+    def is_working_copy_cast(self, node: fx.Node, plan: dict) -> bool:
+        """Whether ``node`` casts a parameter to the dtype its working copy already has, with no redistribution in
+        between: it lowers to the working copy itself (the values are the same: the copy was cast on the shard)."""
+        src = node.args[0] if node.target is aten._to_copy.default and node.args else None
+        return (isinstance(src, fx.Node) and src.op == "placeholder" and plan.get((node.name, 0)) is None
+                and set(node.kwargs) == {"dtype"} and self.working_copy_dtype(src.name) is node.kwargs["dtype"])
 
     def _read_only_as(self, fqn: str, dtype: torch.dtype) -> bool:
         """Mixed precision: whether every read of parameter ``fqn`` in the step is its cast to ``dtype`` (then its

@@ -159,7 +159,8 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         new = self.graph.placeholder(self.local_names.get(node.name, node.name))
         with self.fake:
             shape = self.split.local_shape(val.shape, p, self.coord)
-            new.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
+            dtype = self.working_copy_dtype(node.name) or val.dtype  # ZeRO-1/2 mixed precision: gathered in it
+            new.meta["val"] = torch.empty(shape, dtype=dtype, device=val.device)
         new.meta.update(placements=p, module=self.prog.provenance[node.name].module, phase=self.site.phase)
         self.env[node.name] = new
         if self.zero3 and self.param_fqn.get(node.name) in self.zero:
@@ -195,6 +196,9 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
 
     def call(self, node: fx.Node, plan: dict, module: str) -> None:
         if node.target in DROPPED or node.name in self.env:  # dropped, or lowered early (``FlatBuckets``)
+            return
+        if self.is_working_copy_cast(node, plan):
+            self.env[node.name] = self.env[node.args[0].name]
             return
         placements = self.prog.placements.get(node.name)
         recompute = node.name in self.recompute

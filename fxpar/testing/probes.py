@@ -33,8 +33,9 @@ def storage_bytes(tensors: list[torch.Tensor], exclude: set[int] = frozenset()) 
 
 def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor,
                     loss_fn: Any) -> dict[str, Any]:
-    """Rank body: one ``pm.step`` plus an AdamW step, then the local storage of params, grads and Adam state,
-    and of the values one forward of this rank's first stage saves for backward; with ``pm.memory(rank)``."""
+    """Rank body: one ``pm.step`` plus an AdamW step, then the local storage of params, grads and Adam state, of
+    ZeRO-1/2's gathered working copies, and of the values one forward of this rank's first stage saves for backward;
+    with ``pm.memory(rank)``."""
     import fxpar
 
     rank = dist.get_rank()
@@ -51,6 +52,9 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
     first = min(pm._runners)
     runner = pm._runners[first]
     saved_bytes = None
+    pm.gather_params()  # ZeRO-1/2: the step's working copies, as pm.step gathers them
+    working_copy = storage_bytes(list(pm._gathered.values()))
+    pm.release_params()
     if first == 0:  # the first stage runs on the user's inputs alone: one forward of microbatch 0
         mb = local.chunk(pm._compiled.microbatches)[0]
         bufs = pm.stage_buffers(first)
@@ -63,7 +67,7 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
         saved_bytes = storage_bytes(saved, {t.untyped_storage().data_ptr() for t in [*inputs, *bufs, mb]})
     return {"predicted": pm.memory(rank), "params": storage_bytes(params),
             "grads": storage_bytes([_local(p.grad) for p in pm.parameters()]), "optimizer": storage_bytes(state),
-            "saved_per_microbatch": saved_bytes,
+            "saved_per_microbatch": saved_bytes, "working_copy": working_copy,
             "in_flight": pm.schedule.peak_in_flight()[pm._compiled.pp_coord(rank)]}
 
 
