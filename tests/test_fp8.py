@@ -151,8 +151,11 @@ def test_fp8_under_bf16_mixed_precision_keeps_fp32_scales_and_matches_unsharded(
     [tp, _] = pool.run(fp8_step, 2, CONFIG, {"tp": 2}, fxpar.Plan(tp=MLP_PLAN, **mixed), x, timeout=300)
     [z3, _] = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(zero=3, **mixed), torch.cat([x, x]), timeout=300)
     [dp, _] = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(**mixed), torch.cat([x, x]), timeout=300)
+    # ZeRO-1 feeds float8 from its bf16 working copy (cast on the shard): the same values as casting the master
+    [z1, _] = pool.run(fp8_step, 2, CONFIG, {"dp": 2}, fxpar.Plan(zero=1, **mixed), torch.cat([x, x]), timeout=300)
     assert dp["output"].dtype == torch.bfloat16
-    for got in (tp, z3):
+    torch.testing.assert_close(z1["output"], dp["output"], rtol=0, atol=0)
+    for got in (tp, z3, z1):
         assert snr(dp["output"][: len(x)].float(), got["output"][: len(x)].float()) >= 30
         for name, g in dp["grads"].items():
             assert g.dtype == torch.float32 and snr(g, got["grads"][name]) >= 30, name

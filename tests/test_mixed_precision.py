@@ -152,3 +152,9 @@ def test_zero2_gathers_the_working_copy_in_bf16_and_matches() -> None:
     assert "# layers_0_attn_q_weight: bf16[" in program
     assert_equivalent(partial(llama, n_layers=2), {"dp": 2}, fxpar.Plan(zero=2, microbatches=2, **MIXED), (TOKENS,),
                       steps=2)
+
+
+def test_zero1_bf16_working_copy_of_a_tied_weight_matches() -> None:
+    # the tied table is read through two casts (embedding and head): both read the one bf16 working copy
+    plan = fxpar.Plan(tp=llama_plan(), zero=1, **MIXED)
+    assert_equivalent(partial(llama, n_layers=2, tie_embeddings=True), {"dp": 2, "tp": 2}, plan, (TOKENS,), steps=2)
