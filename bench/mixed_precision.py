@@ -10,8 +10,8 @@ fxpar ``Plan(zero=2 | 3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 and ``True`` (ZeRO-3). Per system and rank, after warm-up:
 
 * **dp bytes per step by op and dtype** against the optimum (Psi_e = parameter elements): all-gather 2 Psi_e
-  (bf16) per gather (once for ZeRO-2 on FSDP2's side; fxpar ZeRO-2 gathers its fp32 working copy once per step
-  and casts where it is used: 4 Psi_e), reduce-scatter 4 Psi_e (fp32). fxpar's from its ledger; FSDP2's counted by
+  (bf16) per gather (once per step for ZeRO-2, on both sides: fxpar casts each shard to bf16, gathers it and keeps
+  that bf16 working copy for the step), reduce-scatter 4 Psi_e (fp32). fxpar's from its ledger; FSDP2's counted by
   wrapping the ``torch.distributed`` functions its default collectives call.
 * **step time** as in ``zero.py`` (max over ranks, median over interleaved rounds) and the first-step loss.
 
