@@ -81,7 +81,7 @@ class StepCollectives:
 
     def _read_only_as(self, fqn: str, dtype: torch.dtype) -> bool:
         """Mixed precision: whether every read of parameter ``fqn`` in the step is its cast to ``dtype`` (then its
-        working copy may cross the wire in ``dtype``: cast, gathered and cast back, the casts read the same values)."""
+        working copy may be cast on its shard, gathered and kept in ``dtype``: the casts read the same values)."""
         names = [name for f, name in self.prog.signature.params if f == fqn]
         users = [u for name in names for u in self.prog.node(name).users if u.target not in _CHECKS]
         return bool(users) and all(u.target is aten._to_copy.default and u.kwargs.get("dtype") is dtype
