@@ -29,7 +29,7 @@ from fxpar.ir import Program, Provenance, Signature
 from fxpar.mesh import Mesh
 from fxpar.mixed_precision import computing_in
 from fxpar.moe import experts_as_ops
-from fxpar.simplify import bmm_over_heads, drop_identity_batch_index, tokens_unflattened
+from fxpar.simplify import bias_after_token_view, bmm_over_heads, drop_identity_batch_index, tokens_unflattened
 from fxpar.source import _clean_module_path, user_source
 from fxpar.split import CONTEXT_AXIS
 from fxpar.stitch import Blocks, Captures, name_as_whole, stitch
@@ -163,6 +163,7 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         if exported.blocks is not None:
             gm = stitch(gm, exported.blocks, lambda n: user_source(n.meta.get("stack_trace"), before=_BLOCKS_FILE))
         _split_addmm(gm)
+        bias_after_token_view(gm)
         drop_identity_batch_index(gm)
         bmm_over_heads(gm)
         if mesh.axes.get(CONTEXT_AXIS, 1) > 1:  # the sequence is sharded: keep Linear's tokens un-flattened

@@ -176,6 +176,41 @@ def tokens_unflattened(gm: fx.GraphModule) -> int:
     return rewritten
 
 
+def bias_after_token_view(gm: fx.GraphModule) -> int:
+    """``view(add(mm(x, w), bias), [*L, N])`` -> ``add(view(mm(x, w), [*L, N]), bias)``: the same values.
+
+    A biased Linear adds its bias on the flattened ``[prod(L), N]`` product. Under tensor parallelism a
+    row-parallel product is a partial sum, which must be reduced before the add; on the flattened tensor only
+    an all-reduce can, as a sequence shard of ``[*L, N]`` is no shard of ``[prod(L), N]``. With the add after
+    the view, sequence parallelism reduce-scatters the product (half an all-reduce's bytes) and adds the bias
+    on each rank's own tokens. Requires: ``bias`` 1-D of size ``N``, ``mm`` and ``add`` each with one user.
+    Ensures: only forward nodes move (the backward reads neither). Returns how many were rewritten.
+    """
+    rewritten = 0
+    for add in list(gm.graph.nodes):
+        if not (add.op == "call_function" and add.target is aten.add.Tensor and len(add.users) == 1
+                and isinstance(add.args[0], fx.Node) and add.args[0].target is aten.mm.default
+                and len(add.args[0].users) == 1 and _is_vector(add.args[1])):
+            continue
+        (view,) = add.users
+        val = view.meta.get("val")
+        if view.target not in FLAT_VIEWS or not isinstance(val, torch.Tensor) or val.ndim < 3 \
+                or val.shape[-1] != add.meta["val"].shape[-1]:
+            continue
+        with gm.graph.inserting_before(view):
+            new_view = gm.graph.call_function(view.target, (add.args[0], *view.args[1:]), dict(view.kwargs))
+            _copy_meta(new_view, view, val.new_empty(val.shape))
+            new_add = gm.graph.call_function(aten.add.Tensor, (new_view, add.args[1]))
+            _copy_meta(new_add, add, val.new_empty(val.shape))
+        view.replace_all_uses_with(new_add)
+        gm.graph.erase_node(view)
+        gm.graph.erase_node(add)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
 def _flattened(a: Any) -> fx.Node | None:
     """The N-D tensor (N >= 3) whose token dims ``a`` flattens into one (``[prod(L), K]``), or None."""
     if not isinstance(a, fx.Node) or a.target not in FLAT_VIEWS:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fxpar
+from fxpar.errors import FxparWarning
 from fxpar.models.llama import hf_llama_plan, llama, llama_plan
 from fxpar.testing import assert_equivalent
 from fxpar.testing.error_models import next_token_loss
@@ -61,6 +62,33 @@ def test_embedding_gradient_all_gathers_the_stream_not_the_table(tie: bool) -> N
     rows = [r for r in pm.ledger(0) if r.axis == "tp"]
     assert max(r.bytes for r in rows if r.op == "all_reduce") == HIDDEN * 4
     assert max(r.bytes for r in rows) == tokens.numel() * HIDDEN * 4  # the stream, gathered or scattered whole
+
+
+def test_a_biased_row_parallel_linear_reduce_scatters_its_product() -> None:
+    """HF Starcoder2's o_proj and c_proj are row-parallel with a bias. The bias is added on the flattened product,
+    where only an all-reduce could resolve the partial sum; fxpar adds it after the view back to [b, s, h]
+    (``fxpar.simplify.bias_after_token_view``), so each layer reduce-scatters, as without a bias."""
+    pytest.importorskip("transformers")
+    from fxpar.models import hf_families
+
+    batch = hf_families.inputs("starcoder2")
+    with pytest.warns(FxparWarning, match="vocab-parallel embedding"):  # HF's plan shards the vocab; fxpar cannot
+        pm = fxpar.parallelize(hf_families.starcoder2(), fxpar.Mesh({"tp": 4}, fake=True), batch,
+                               plan=fxpar.Plan(tp="hf", sequence_parallel=True))
+    rows = [r for r in pm.ledger(0) if r.axis == "tp"]
+    hidden, stream = hf_families.HIDDEN, batch[0].numel() * hf_families.HIDDEN * 4
+    assert max(r.bytes for r in rows if r.op == "all_reduce") == hidden * 4  # a norm's or a bias's gradient
+    per_way = 2 * hf_families.LAYERS  # o_proj and c_proj of each layer
+    assert Counter((r.phase, r.op) for r in rows if r.bytes == stream)[("fwd", "reduce_scatter")] == per_way
+    assert Counter((r.phase, r.op) for r in rows if r.bytes == stream)[("bwd", "all_gather")] >= per_way
+
+
+def test_hf_starcoder2_biased_rows_with_sequence_parallel_match_single_device() -> None:
+    pytest.importorskip("transformers")
+    from fxpar.models import hf_families
+
+    assert_equivalent(hf_families.starcoder2, {"dp": 2, "tp": 2}, fxpar.Plan(tp="hf", sequence_parallel=True),
+                      hf_families.inputs("starcoder2"), steps=2)
 
 
 def test_saved_activations_shrink() -> None:
