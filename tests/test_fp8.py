@@ -159,3 +159,14 @@ def test_fp8_under_bf16_mixed_precision_keeps_fp32_scales_and_matches_unsharded(
         assert snr(dp["output"][: len(x)].float(), got["output"][: len(x)].float()) >= 30
         for name, g in dp["grads"].items():
             assert g.dtype == torch.float32 and snr(g, got["grads"][name]) >= 30, name
+
+
+def test_an_equivalence_mismatch_under_fp8_says_the_reference_is_full_precision() -> None:
+    from fxpar.testing.equivalence import Case, Mismatch, _explain
+
+    x = torch.randn(4, 16, 64)
+    mismatch = [Mismatch("output[0]", rank=0, step=0, max_abs=0.1, max_rel=0.05, rtol=1e-5, atol=1e-6)]
+    for fp8, said in [("tensorwise", True), (None, False)]:
+        case = Case(LlamaMLP, {"tp": 2}, fxpar.Plan(tp=MLP_PLAN, fp8=fp8), (x,), 1, None, None, 1e-3, 0, None, None,
+                    False)
+        assert ("single-device reference computes in full precision" in _explain(case, mismatch)) is said

@@ -178,7 +178,16 @@ def _explain(case: Case, mismatches: list[Mismatch]) -> str:
     ranks = sorted({m.rank for m in mismatches})
     return (f"parallel program differs from the single-device model on mesh {case.mesh_axes}: "
             f"{len(mismatches)} mismatches on ranks {ranks}, first at step {first_step}\n"
-            f"first: {ordered[0]}\n{shown}{more}\n{_replay(case)}")
+            f"first: {ordered[0]}\n{shown}{more}\n{_replay(case)}{_fp8_hint(case)}")
+
+
+def _fp8_hint(case: Case) -> str:
+    """Under ``Plan(fp8=...)`` the reference stays fp32 (it makes no float8 casts): say so beside a mismatch."""
+    if getattr(case.plan, "fp8", None) is None:
+        return ""
+    return ("\nnote: the plan has fp8=..., which rounds every Linear's inputs to float8; the single-device reference "
+            "computes in full precision, so outputs differ by design (about 20 dB SNR, torchao's bound). Check an FP8 "
+            "plan against the same plan with fewer shards (tests/test_fp8.py) or with rtol/atol for float8.")
 
 
 def _replay(case: Case) -> str:
