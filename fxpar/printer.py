@@ -7,6 +7,7 @@ between versions and checked in as golden files.
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any
 
 import torch
@@ -119,14 +120,88 @@ def graph_source(name: str, gm: fx.GraphModule, axes: tuple[str, ...], groups: d
         notes = "   ".join(x for x in (type_str(p.meta.get("val")),
                                        placements_str(p.meta.get("placements"), axes), p.meta.get("module", "")) if x)
         lines.append(f"    # {p.name}: {notes}")
+    body: list[tuple[str | None, str]] = []  # (the node's block, its line)
+    block = None
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            lines.append(f"    {n.name} = constants[{n.target!r}]")
-        elif n.op == "call_function":
-            lines.append(_line(n, axes, groups, verbosity, coord))
+            body.append((None, f"    {n.name} = constants[{n.target!r}]"))
+        elif n.op == "call_function":  # a node lowering made (a collective, a wait) belongs where it stands
+            block = _block_of(n.meta["module"]) if n.meta.get("module") else block
+            body.append((block, _line(n, axes, groups, verbosity, coord)))
         elif n.op == "output":
-            lines.append(f"    return {_arg(tuple(n.args[0]), groups)}")
-    return "\n".join(lines)
+            body.append((None, f"    return {_arg(tuple(n.args[0]), groups)}"))
+    if verbosity == 0:
+        body = fold_identical_blocks(body, {n.name for n in gm.graph.nodes})
+    return "\n".join(lines + [line for _, line in body])
+
+
+_BLOCK_PATH = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+_NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*")  # a name, not an attribute (``aten.sum``)
+
+
+def _block_of(module: str | None) -> str | None:
+    """A module path's first ``<name>.<index>`` (``model.layers.3``), the unit recompute and sharing use."""
+    m = _BLOCK_PATH.match(module or "")
+    return m.group(1) if m else None
+
+
+def fold_identical_blocks(body: list[tuple[str | None, str]], names: set[str]) -> list[tuple[str | None, str]]:
+    """``pm.program(rank, verbosity=0)``: each run of consecutive blocks whose lines equal the run's first block's,
+    up to renaming its values and the block index, printed as one comment line naming them.
+
+    Requires: ``body`` the graph's lines in order, each with its node's block (or None); ``names`` the graph's node
+    names. Ensures: a block is folded only when every one of its lines equals the first block's line for line once
+    values are numbered in order of appearance and the index is taken out; anything else is printed in full."""
+    segments: list[tuple[str | None, list[str]]] = []
+    for block, line in body:
+        if segments and block is not None and segments[-1][0] == block:
+            segments[-1][1].append(line)
+        else:
+            segments.append((block, [line]))
+    out: list[tuple[str | None, str]] = []
+    i = 0
+    while i < len(segments):
+        block, seg = segments[i]
+        out += [(block, line) for line in seg]
+        j = i + 1
+        if block is not None:
+            shape = _shape(block, seg, names)
+            while j < len(segments) and segments[j][0] is not None and _same_family(block, segments[j][0]) \
+                    and _shape(segments[j][0], segments[j][1], names) == shape:
+                j += 1
+        if j > i + 1:
+            first, last, count = segments[i + 1][0], segments[j - 1][0], j - i - 1
+            span = first if count == 1 else f"{first}-{_index(last)}"
+            out.append((None, f"    # {span}: as {block} above, values and parameters renamed "
+                              f"({count} block{'s' if count > 1 else ''} folded)"))
+        i = j
+    return out
+
+
+def _index(block: str) -> str:
+    return block.rsplit(".", 1)[1]
+
+
+def _same_family(a: str, b: str) -> bool:
+    return a.rsplit(".", 1)[0] == b.rsplit(".", 1)[0]
+
+
+def _shape(block: str, lines: list[str], names: set[str]) -> tuple[str, ...]:
+    """``lines`` with the block's index taken out of paths and parameter names, values numbered by appearance."""
+    prefix, index = block.rsplit(".", 1)
+    dotted = re.compile(re.escape(f"{prefix}.{index}") + r"\b")
+    flat = f"{prefix.replace('.', '_')}_{index}_"
+    numbering: dict[str, str] = {}
+
+    def rename(m: re.Match[str]) -> str:
+        word = m.group(0)
+        if word.startswith(flat):
+            return "P_" + word[len(flat):]
+        if word in names:
+            return numbering.setdefault(word, f"v{len(numbering)}")
+        return word
+
+    return tuple(" ".join(_NAME.sub(rename, dotted.sub("BLOCK", line)).split()) for line in lines)
 
 
 def group_vars(rp: RankProgram) -> dict[str, str]:

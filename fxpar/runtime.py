@@ -141,7 +141,10 @@ class ParallelModule(RankParameters):
         return rank_step(self._compiled, rank)
 
     def program(self, rank: int = 0, verbosity: int = 1) -> str:
-        """The rank's programs as readable, runnable Python: per stage it holds, forward, backward and reduce_grads."""
+        """The rank's programs as readable, runnable Python: per stage it holds, forward, backward and reduce_grads.
+
+        ``verbosity``: 1 (default) every node; 2 adds each node's source line; 0 folds runs of identical layers
+        (``# model.layers.1-7: as model.layers.0 above, ...``)."""
         return print_rank_programs(self._compiled, rank, verbosity)
 
     def ledger(self, rank: int = 0) -> list[LedgerRow]:

@@ -119,3 +119,21 @@ def test_uneven_shapes_are_their_own_roles() -> None:
                   llama_plan())
     assert pm._compiled.roles.count() == 4
     assert len(pm.proof.ranks) == 4 and pm.proof.roles == 4
+
+
+def test_folded_print_names_identical_layers_and_prints_a_differing_one_whole() -> None:
+    """``pm.program(rank, verbosity=0)`` folds a run of layers equal to the run's first up to renaming (issue 19's
+    option); layer 3, with a wider MLP, is printed whole, and the default print folds nothing."""
+    from fxpar.models.llama import MLP, Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(n_layers=6, **SMALL))
+    model.layers[3].mlp = MLP(LlamaConfig(n_layers=6, **{**SMALL, "intermediate": 96}))
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), TOKENS, plan=fxpar.Plan(tp=llama_plan()))
+    full, folded = pm.program(1), pm.program(1, verbosity=0)
+    assert "folded" not in full
+    forward = folded.split("\ndef backward")[0]
+    assert "    # layers.1-2: as layers.0 above, values and parameters renamed (2 blocks folded)" in forward
+    assert "    # layers.5: as layers.4 above, values and parameters renamed (1 block folded)" in forward
+    assert any("48]" in line and "layers.3.mlp" in line for line in forward.splitlines())  # its 96 / tp shard
+    assert "layers.3:" not in folded and "layers.3-" not in folded
+    assert len(folded.splitlines()) < len(full.splitlines())
