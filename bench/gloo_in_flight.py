@@ -5,7 +5,9 @@ all-gathers and all-reduces of small tensors, as ZeRO with overlap issues them),
 issue and wait as compute makes. ``--policy many`` issues a whole batch on the ``dp`` group before waiting for
 any of it, in a shuffled order: what ``fxpar.lower.overlap`` did on every backend before. ``--policy one-per-group``
 alternates the batch between the ``dp`` and ``pp`` groups and keeps at most one collective in flight on each
-(the next issue on a group first waits for its previous one): what ``fxpar.lower.overlap`` does on gloo now. A run
+(the next issue on a group first waits for its previous one): what ``fxpar.lower.overlap`` does on gloo now.
+``--policy one-per-process`` alternates the groups too but keeps one collective in flight in the whole process;
+``--policy off`` waits for each collective right after issuing it (``Plan(overlap=False)``). A run
 survives or a rank dies natively (glibc: "malloc(): unaligned tcache chunk detected", "free(): invalid
 pointer"); the script prints how many runs survived. About 2 minutes per run on 2 cores::
 
@@ -53,6 +55,18 @@ def _batches(iters: int, policy: str) -> str:
             rng.shuffle(pending)
             for p in pending:
                 c10d.wait_tensor(p)
+        elif policy in ("one-per-process", "off"):
+            pending_one: torch.Tensor | None = None
+            for i in range(rng.randint(1, 8)):
+                if pending_one is not None:
+                    c10d.wait_tensor(pending_one)
+                pending_one = _issue(rng, groups[i % 2])
+                if policy == "off":  # overlap=False: every wait right after its issue
+                    c10d.wait_tensor(pending_one)
+                    pending_one = None
+                torch.randn(rng.randint(1, 300))
+            if pending_one is not None:
+                c10d.wait_tensor(pending_one)
         else:
             in_flight: dict[str, torch.Tensor] = {}
             for i in range(rng.randint(1, 8)):
@@ -68,7 +82,7 @@ def _batches(iters: int, policy: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--policy", choices=["many", "one-per-group"], required=True)
+    parser.add_argument("--policy", choices=["many", "one-per-group", "one-per-process", "off"], required=True)
     parser.add_argument("--iters", type=int, default=30000)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
