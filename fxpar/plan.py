@@ -87,7 +87,7 @@ def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = No
     if plan.recompute not in (None, "selective", "full") and not budget:
         raise PlanError(f"recompute must be None, 'selective', 'full' or a byte budget (int), got {plan.recompute!r}")
     if plan.schedule not in SCHEDULE_NAMES:
-        hint = close_matches(plan.schedule, list(SCHEDULE_NAMES))
+        hint = close_matches(plan.schedule, list(SCHEDULE_NAMES)) if isinstance(plan.schedule, str) else []
         raise PlanError(f"unknown schedule {plan.schedule!r}; choose one of {SCHEDULE_NAMES}"
                         + (f" (did you mean {hint[0]!r}?)" if hint else ""))
     if plan.microbatches is not None and (not isinstance(plan.microbatches, int) or plan.microbatches < 1):

@@ -243,6 +243,8 @@ def test_more_stages_than_blocks() -> None:
 def test_unknown_schedule_suggests_a_name() -> None:
     with pytest.raises(fxpar.PlanError, match=r"unknown schedule '1F1B'.*did you mean '1f1b'"):
         _compile(fxpar.Plan(schedule="1F1B"), {"pp": 2})
+    with pytest.raises(fxpar.PlanError, match=r"unknown schedule None; choose one of"):  # not a crash in difflib
+        _compile(fxpar.Plan(schedule=None), {"pp": 2})
 
 
 def test_dead_rank_mid_schedule_fails_the_others_within_the_timeout() -> None:
