@@ -33,6 +33,7 @@ from fxpar.plan import Plan, as_plan
 from fxpar.roles import Roles
 from fxpar.schedules import Schedule, make_schedule
 from fxpar.split import CONTEXT_AXIS, batch_ranks
+from fxpar.stage_twins import Shift, find_twins
 from fxpar.stages import Split, data_nodes, node_cost, split_stages
 
 
@@ -89,8 +90,22 @@ class Compiled:
     def roles(self) -> Roles:
         """The lowered programs, one per role (``fxpar.roles``); a rank's program is its role's, bound to its groups."""
         if self._roles is None:
-            self._roles = Roles(self.mesh, lambda rank, stage: lower(self.stages[stage], rank))
+            self._roles = Roles(self.mesh, lambda rank, stage: lower(self.stages[stage], rank), self.twin_of)
         return self._roles
+
+    def twin_of(self, rank: int, stage: int) -> tuple[int, int, Shift] | None:
+        """(an earlier stage whose lowering ``stage`` copies, the rank that holds it where ``rank`` holds ``stage``,
+        the path shift between them), or None: ``fxpar.stage_twins``."""
+        if "twins" not in self._lowered:
+            self._lowered["twins"] = find_twins(self.stages)
+        found = self._lowered["twins"].get(stage)
+        if found is None:
+            return None
+        twin, shift = found
+        pp = next(p for p in range(self.pp) if twin in self.schedule.stages_of(p))
+        coord = list(self.mesh.coord(rank))
+        coord[self.mesh.axis_index("pp")] = pp
+        return twin, self.mesh.rank_of(tuple(coord)), shift
 
     def stage_graph(self, rank: int, stage: int, name: str) -> fx.GraphModule:
         """One graph of a rank's stage, by the name a step event runs it under (``fxpar.rank_step``):

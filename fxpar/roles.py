@@ -31,6 +31,7 @@ from fxpar.lower.collectives import COORD_SLICE
 from fxpar.lower.program import LedgerRow
 from fxpar.mesh import Mesh
 from fxpar.read_coord import ReadCoord  # noqa: F401 - re-exported: the coordinate lowering records
+from fxpar.stage_twins import Shift, shifted
 
 BOUND_CACHE = 16  # bound rank programs kept (a fake mesh may have 16,384 ranks: the roles are kept, not the ranks)
 
@@ -50,8 +51,9 @@ class Role:
 class Roles:
     """The lowered programs of a compiled model, by role; ``program(rank, stage)`` lowers or binds."""
 
-    def __init__(self, mesh: Mesh, lower: Callable[[int, int], RankProgram]) -> None:
-        self.mesh, self._lower = mesh, lower
+    def __init__(self, mesh: Mesh, lower: Callable[[int, int], RankProgram],
+                 twin: Callable[[int, int], tuple[int, int, Shift] | None] | None = None) -> None:
+        self.mesh, self._lower, self._twin = mesh, lower, twin
         self.roles: dict[int, list[Role]] = {}  # stage -> its roles so far
         self.read_axes: set[int] = set()  # axes whose coordinate any lowering so far read
         self._bound: OrderedDict[tuple[int, int], RankProgram] = OrderedDict()
@@ -73,12 +75,31 @@ class Roles:
             for role in self.roles.get(stage, []):
                 if role.fits(coord):
                     return role.program if role.rank == rank else bind(role.program, rank, self.mesh)
+            copied = self._from_twin(rank, stage)
+            if copied is not None:
+                return copied
         rp = self._lower(rank, stage)
         read = set(getattr(rp.coord, "read", range(len(coord))))
         self.read_axes |= read
         rp = dataclasses.replace(rp, coord=tuple(rp.coord))
         if sharing_enabled():
             self.roles.setdefault(stage, []).append(Role(rank, {a: coord[a] for a in sorted(read)}, rp))
+        return rp
+
+    def _from_twin(self, rank: int, stage: int) -> RankProgram | None:
+        """``rank``'s program of ``stage`` copied from an earlier twin stage's role (``fxpar.stage_twins``), when
+        that role's lowering read no pipeline coordinate; None when the stage has no twin."""
+        found = self._twin(rank, stage) if self._twin is not None else None
+        if found is None:
+            return None
+        twin, twin_rank, shift = found
+        self.program(twin_rank, twin)
+        twin_coord = self.mesh.coord(twin_rank)
+        role = next(r for r in self.roles[twin] if r.fits(twin_coord))
+        if "pp" in self.mesh.names and self.mesh.axis_index("pp") in role.read:
+            return None
+        rp = shifted(bind(role.program, rank, self.mesh), shift, stage)  # bind copies the graphs shifted renames
+        self.roles.setdefault(stage, []).append(Role(rank, dict(role.read), rp))
         return rp
 
     def printable(self, rank: int, stage: int) -> tuple[RankProgram, RankProgram]:

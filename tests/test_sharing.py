@@ -137,3 +137,36 @@ def test_folded_print_names_identical_layers_and_prints_a_differing_one_whole() 
     assert any("48]" in line and "layers.3.mlp" in line for line in forward.splitlines())  # its 96 / tp shard
     assert "layers.3:" not in folded and "layers.3-" not in folded
     assert len(folded.splitlines()) < len(full.splitlines())
+
+
+def test_identical_pipeline_stages_are_lowered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Middle stages that hold identical layers (10 layers on 6 stages: stages 2-4 are stage 1 two, four and six
+    layers on) are lowered once, then copied with names and module paths moved (``fxpar.stage_twins``); every
+    rank prints and ledgers exactly as with each stage lowered on its own. ``tests/test_pipeline.py``'s
+    interleaved case runs such a copy on gloo (its stage 2 is stage 1's, one layer on)."""
+    from fxpar import compiled
+    from fxpar.testing.error_models import next_token_loss
+
+    lowered: list[int] = []
+    real_lower = compiled.lower
+
+    def counting_lower(prog: object, rank: int) -> object:
+        lowered.append(prog.notes["stage"].index)
+        return real_lower(prog, rank)
+
+    monkeypatch.setattr(compiled, "lower", counting_lower)
+    build = functools.partial(llama, n_layers=10, **SMALL)
+    tokens = (torch.randint(3, 64, (16, 16), generator=torch.Generator().manual_seed(0)),)
+    plan = fxpar.Plan(tp=llama_plan(), sequence_parallel=True, zero=3, stages=6, schedule="interleaved-1f1b",
+                      microbatches=4)
+    axes = {"pp": 2, "dp": 2, "tp": 2}
+    with sharing(True, monkeypatch):
+        on = _compile(build, axes, tokens, plan, loss_fn=next_token_loss)
+        texts = {r: on.program(r) + on.ledger_table(r) for r in range(8)}
+    twins = on._compiled._lowered["twins"]
+    assert {t: (s, shift.by) for t, (s, shift) in twins.items()} == {2: (1, 2), 3: (1, 4), 4: (1, 6)}
+    assert sorted(set(lowered)) == [0, 1, 5]
+    assert "# holds   layers.5-6" in texts[5] and "def forward_stage3(layers_5_attn_norm_weight" in texts[5]
+    with sharing(False, monkeypatch):
+        off = _compile(build, axes, tokens, plan, loss_fn=next_token_loss)
+        assert all(off.program(r) + off.ledger_table(r) == texts[r] for r in range(8))
