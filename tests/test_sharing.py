@@ -5,6 +5,8 @@
   same programs and ledgers with sharing off (``FXPAR_SHARING=0``), and match the single device on gloo.
 * Ranks that differ only in their groups share one lowering, each bound to its own groups (equal to it
   lowered alone); uneven shapes make each coordinate its own role.
+* Pipeline stages that hold identical layers are lowered once and copied with paths moved, print as lowered
+  alone, and train like the single device.
 * ``verify`` says what it checked.
 The golden replay (``tests/test_golden.py``) shows sharing on == off for every feature's golden case.
 """
@@ -162,11 +164,23 @@ def test_identical_pipeline_stages_are_lowered_once(monkeypatch: pytest.MonkeyPa
     axes = {"pp": 2, "dp": 2, "tp": 2}
     with sharing(True, monkeypatch):
         on = _compile(build, axes, tokens, plan, loss_fn=next_token_loss)
-        texts = {r: on.program(r) + on.ledger_table(r) for r in range(8)}
+        texts = {r: on.program(r) + on.ledger_table(r) + repr(on.memory(r)) for r in range(8)}
     twins = on._compiled._lowered["twins"]
     assert {t: (s, shift.by) for t, (s, shift) in twins.items()} == {2: (1, 2), 3: (1, 4), 4: (1, 6)}
     assert sorted(set(lowered)) == [0, 1, 5]
     assert "# holds   layers.5-6" in texts[5] and "def forward_stage3(layers_5_attn_norm_weight" in texts[5]
     with sharing(False, monkeypatch):
         off = _compile(build, axes, tokens, plan, loss_fn=next_token_loss)
-        assert all(off.program(r) + off.ledger_table(r) == texts[r] for r in range(8))
+        assert all(off.program(r) + off.ledger_table(r) + repr(off.memory(r)) == texts[r] for r in range(8))
+
+
+def test_copied_pipeline_stages_train_like_the_single_device() -> None:
+    """10 layers on 6 stages over pp=2 x dp=2 with ZeRO-1: stages 2-4 run stage 1's lowering, renamed (their ZeRO
+    shards, once-per-step gathers and gradient reductions included), and match the single device (fp32, rtol
+    1e-5). ``test_identical_pipeline_stages_are_lowered_once`` covers ZeRO-3's in-graph gathers."""
+    from fxpar.testing.error_models import next_token_loss
+
+    tokens = torch.randint(3, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+    plan = fxpar.Plan(zero=1, stages=6, schedule="interleaved-1f1b", microbatches=4)
+    assert_equivalent(functools.partial(llama, n_layers=10, **SMALL), {"pp": 2, "dp": 2}, plan, tokens, steps=2,
+                      loss_fn=next_token_loss, targets=tokens)
