@@ -167,7 +167,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
         if len(programs) % pp:
             raise PlanError(f"{len(programs)} stages is not a multiple of pp={pp}: each pp rank holds the same number "
                             "of stages (stages = v * pp)")
-    schedule = make_schedule(plan.schedule, pp, len(programs), m)
+    schedule = _schedule(plan.schedule, pp, len(programs), m)
     resolved = plan.resolved(stages=len(programs) if isinstance(plan.stages, int) or plan.stages is None
                              else plan.stages, microbatches=m, notes={**plan.notes, **notes})
     start = time.perf_counter()
@@ -211,6 +211,14 @@ def _n_stages(plan: Plan, pp: int) -> int:
     if n > 1 and pp == 1 and plan.stages is not None:
         raise PlanError(f"stages={plan.stages!r} needs a 'pp' mesh axis to place the stages on")
     return n
+
+
+def _schedule(name: str, pp: int, n_stages: int, m: int) -> Schedule:
+    """``make_schedule``; a schedule that cannot run this layout is the plan's error (``PlanError``)."""
+    try:
+        return make_schedule(name, pp, n_stages, m)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def _flatten_inputs(example_inputs: Any) -> tuple[str, tuple[str, ...], list[Any]]:

@@ -240,6 +240,13 @@ def test_more_stages_than_blocks() -> None:
         _compile(fxpar.Plan(stages=6), {"pp": 2})
 
 
+def test_a_schedule_that_cannot_run_the_layout_is_a_plan_error() -> None:
+    with pytest.raises(fxpar.PlanError, match=r"schedule '1f1b' needs one stage per rank .* use 'interleaved-1f1b'"):
+        _compile(fxpar.Plan(stages=4, schedule="1f1b", microbatches=4), {"pp": 2})
+    with pytest.raises(fxpar.PlanError, match=r"'interleaved-1f1b' needs microbatches to be a multiple of pp=2"):
+        _compile(fxpar.Plan(stages=4, schedule="interleaved-1f1b", microbatches=1), {"pp": 2})
+
+
 def test_unknown_schedule_suggests_a_name() -> None:
     with pytest.raises(fxpar.PlanError, match=r"unknown schedule '1F1B'.*did you mean '1f1b'"):
         _compile(fxpar.Plan(schedule="1F1B"), {"pp": 2})
