@@ -93,7 +93,7 @@ def shift_between(a: Program, b: Program) -> Shift | None:
 def _same_up_to(shift: Shift, a: Program, b: Program) -> bool:
     if a.mesh != b.mesh or a.passes != b.passes or len(a.graph.nodes) != len(b.graph.nodes):
         return False
-    if set(a.notes) != set(b.notes):
+    if set(a.notes) != set(b.notes) or not _names_move_with_paths(shift, a):
         return False
     same = _MovedEqual(shift)
     pairs = [(a.notes[k], b.notes[k]) for k in a.notes.keys() - NOT_READ_BY_LOWERING]
@@ -102,6 +102,13 @@ def _same_up_to(shift: Shift, a: Program, b: Program) -> bool:
     if not all(same(x, y) for x, y in pairs):
         return False
     return all(_same_node(same, x, y, a.gm, b.gm) for x, y in zip(a.graph.nodes, b.graph.nodes, strict=True))
+
+
+def _names_move_with_paths(shift: Shift, a: Program) -> bool:
+    """Moving a parameter's graph name (``layers_3_mlp_up_weight``, which lowered names embed) gives the name of
+    its moved path: not so when another list's paths end like the prefix (``encoder.layers.3`` under ``layers``)."""
+    fqns = [fqn for fqn, _ in (*a.signature.params, *a.signature.buffers)]
+    return all(shift.path(py_name(fqn)) == py_name(shift.path(fqn)) for fqn in fqns)
 
 
 def _same_node(same: _MovedEqual, x: fx.Node, y: fx.Node, gx: fx.GraphModule, gy: fx.GraphModule) -> bool:
