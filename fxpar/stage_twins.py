@@ -48,7 +48,7 @@ class Shift:
 
     @cached_property
     def _name(self) -> re.Pattern[str]:
-        return re.compile(rf"(?<![A-Za-z0-9]){re.escape(py_name(self.prefix))}_(\d+)(?=_|$)")
+        return re.compile(rf"(?<![A-Za-z0-9]){re.escape(self._py_prefix)}_(\d+)(?=_|$)")
 
     def mentioned(self, s: str) -> bool:
         """Whether ``s`` may hold a path this shift moves."""
