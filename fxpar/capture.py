@@ -168,7 +168,7 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         bmm_over_heads(gm)
         if mesh.axes.get(CONTEXT_AXIS, 1) > 1:  # the sequence is sharded: keep Linear's tokens un-flattened
             tokens_unflattened(gm)
-    signature = _signature(gm, joint, args, _canonical_names(model))
+    signature = _signature(gm, joint, args, canonical_names(model))
     provenance = {n.name: _provenance(n) for n in gm.graph.nodes if n.op != "output"}
     return Program(gm=gm, mesh=mesh, signature=signature, provenance=provenance)
 
@@ -263,7 +263,7 @@ def _split_addmm(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+def canonical_names(model: torch.nn.Module) -> dict[str, str]:
     """Every name of every parameter -> the name ``model.named_parameters()`` uses (tied weights once)."""
     first: dict[int, str] = {}
     out = {}

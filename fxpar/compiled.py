@@ -9,6 +9,7 @@ compiled for one microbatch: dim 0 of the example inputs divided by ``microbatch
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from fxpar.backward_split import split_backward
 from fxpar.blocks import BLOCK_OPS
 from fxpar.capture import Sharing, capture, capture_joint, export_fake, with_shared_blocks
 from fxpar.capture_memo import reused
+from fxpar.capture_twins import CaptureTwins, moved_capture
 from fxpar.errors import PlanError
 from fxpar.ir import Program
 from fxpar.lower import RankProgram, lower
@@ -265,16 +267,26 @@ def _capture_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages:
     exported = export_fake(model, mesh, tuple(flat), share=share, keep=keep, param_dtype=ctx.plan.param_dtype)
     split = split_stages(exported.gm, model, stages, cost=_cost_model(exported))
     ctx.timings["split_stages"] = time.perf_counter() - start
-    programs = []
+    programs: list[Program] = []
+    twins = CaptureTwins(exported, model, len(split.stages))
     for sg in split.stages:
         args = [_boundary_arg(sg.gm, name, exported) for name in sg.received]
         args += [exported.fake_args[i] for i in sg.user_inputs]
         t0 = time.perf_counter()
-        prog = capture_joint(sg.gm, exported, model, mesh, tuple(args))
-        ctx.timings["capture"] = ctx.timings.get("capture", 0.0) + time.perf_counter() - t0
         info = StageInfo(sg.index, len(split.stages), tuple(sg.received), tuple(sg.user_inputs), tuple(sg.sent),
                          sg.first_module, sg.cost)
-        programs.append(prog.replace(notes={**prog.notes, "stage": info, "captures": exported.captures}))
+        notes = {"stage": info}
+        twin = twins.find(sg, tuple(args))
+        if twin is None:
+            prog = capture_joint(sg.gm, exported, model, mesh, tuple(args))
+            prog = prog.replace(notes={**prog.notes, **notes})
+            twins.add(sg, tuple(args))
+        else:
+            prog = moved_capture(programs[twin[0]], twin[1], {**programs[twin[0]].notes, **notes})
+        ctx.timings["capture"] = ctx.timings.get("capture", 0.0) + time.perf_counter() - t0
+        programs.append(prog)
+    captures = dataclasses.replace(exported.captures, stages_copied=len(twins.found))
+    programs = [p.replace(notes={**p.notes, "captures": captures}) for p in programs]
     return programs, split, exported.out_spec
 
 

@@ -40,12 +40,14 @@ TEMPLATE = "fxpar_template"
 @dataclass(frozen=True)
 class Captures:
     """How a model was captured (``Program.notes["captures"]``): ``blocks`` calls of repeated blocks traced as
-    ``distinct`` captures, or the whole model traced (``whole``, with the reason when sharing was tried)."""
+    ``distinct`` captures, or the whole model traced (``whole``, with the reason when sharing was tried);
+    ``stages_copied``: pipeline stages whose joint is an earlier stage's with paths moved (``fxpar.capture_twins``)."""
 
     blocks: int = 0
     distinct: int = 0
     whole: bool = True
     reason: str = ""
+    stages_copied: int = 0
 
 
 @dataclass

@@ -184,3 +184,76 @@ def test_copied_pipeline_stages_train_like_the_single_device() -> None:
     plan = fxpar.Plan(zero=1, stages=6, schedule="interleaved-1f1b", microbatches=4)
     assert_equivalent(functools.partial(llama, n_layers=10, **SMALL), {"pp": 2, "dp": 2}, plan, tokens, steps=2,
                       loss_fn=next_token_loss, targets=tokens)
+
+
+# node meta that records tracing history (object ids, export-wide counters), which nothing downstream reads
+TRACING_HISTORY = {"from_node", "torch_fn", "seq_nr"}
+COPIED_CAPTURES = [
+    ("llama_sp_zero3", functools.partial(llama, n_layers=10, **SMALL), {"pp": 2, "dp": 2, "tp": 2}, TOKENS * 1,
+     dict(tp=llama_plan(), sequence_parallel=True, zero=3, stages=6), {2: (1, 2), 3: (1, 4), 4: (1, 6)}),
+    ("qwen2_bf16_sp_selective", "qwen2", {"pp": 2, "tp": 2}, None,
+     dict(tp="hf", sequence_parallel=True, param_dtype=torch.bfloat16, recompute="selective", stages=4), {2: (1, 2)}),
+    ("llama_wide_every_other_layer", functools.partial(mixed.llama_wide_layers, layers=8, **SMALL), {"pp": 2},
+     TOKENS * 1, dict(stages=8), {3: (1, 2), 4: (2, 2), 5: (1, 4), 6: (2, 4)}),
+]
+
+
+@pytest.mark.parametrize(("name", "build", "axes", "inputs", "plan", "twins"), COPIED_CAPTURES,
+                         ids=[c[0] for c in COPIED_CAPTURES])
+def test_copied_stage_captures_equal_a_fresh_capture(name: str, build: object, axes: dict, inputs: object,
+                                                     plan: dict, twins: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline stage that is an earlier one over other blocks is not captured: its joint is the earlier stage's
+    with paths moved (``fxpar.capture_twins``). Each copy equals a fresh capture of its stage from the same export:
+    code, node names, arguments and meta (but tracing history), signature and provenance. A model whose odd layers
+    are wider copies stages only by an even number of layers."""
+    from fxpar import compiled
+    from fxpar.testing.error_models import next_token_loss
+
+    if isinstance(build, str):
+        monkeypatch.setattr(hf_families, "LAYERS", 8)
+        build, inputs = getattr(hf_families, build), hf_families.inputs(build)
+    made: dict[int, tuple[object, ...]] = {}
+    checked: dict[int, tuple[int, int]] = {}
+    real_capture, real_find, real_copy = compiled.capture_joint, compiled.CaptureTwins.find, compiled.moved_capture
+
+    def capture(gm: object, exported: object, model: object, mesh: object, args: tuple) -> object:
+        made["with"] = (exported, model, mesh)
+        return real_capture(gm, exported, model, mesh, args)
+
+    def find(self: object, sg: object, args: tuple) -> object:
+        made["stage"] = (sg, args)
+        return real_find(self, sg, args)
+
+    def copy(prog: object, shift: object, notes: dict) -> object:
+        out = real_copy(prog, shift, notes)
+        (sg, args), (exported, model, mesh) = made["stage"], made["with"]
+        _assert_same_capture(out, real_capture(sg.gm, exported, model, mesh, args).replace(notes=notes))
+        checked[sg.index] = (prog.notes["stage"].index, shift.by)
+        return out
+
+    monkeypatch.setattr(compiled, "capture_joint", capture)
+    monkeypatch.setattr(compiled.CaptureTwins, "find", find)
+    monkeypatch.setattr(compiled, "moved_capture", copy)
+    pm = _compile(build, axes, inputs, fxpar.Plan(**plan, schedule="interleaved-1f1b", microbatches=2),
+                  loss_fn=next_token_loss)
+    assert checked == twins
+    assert pm._compiled.stages[0].notes["captures"].stages_copied == len(twins)
+
+
+def _assert_same_capture(copy: object, fresh: object) -> None:
+    assert copy.gm.code == fresh.gm.code
+    assert (copy.signature, copy.provenance, copy.notes) == (fresh.signature, fresh.provenance, fresh.notes)
+    for x, y in zip(copy.graph.nodes, fresh.graph.nodes, strict=True):
+        assert (x.name, x.op, x.target, str(x.args), str(x.kwargs)) == (y.name, y.op, y.target, str(y.args),
+                                                                          str(y.kwargs))
+        assert set(x.meta) - TRACING_HISTORY == set(y.meta) - TRACING_HISTORY, x.name
+        for key in set(x.meta) - TRACING_HISTORY:
+            assert _same_meta(x.meta[key], y.meta[key]), (x.name, key, x.meta[key], y.meta[key])
+
+
+def _same_meta(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b, strict=True))
+    return a == b or (type(a) is type(b) and str(a) == str(b))  # e.g. two objects for one OpOverload
