@@ -1,6 +1,7 @@
 """fxpar: compile an unmodified PyTorch model into one program per rank of a device mesh."""
 
 import fxpar.calibrate  # noqa: F401  (Cluster.measure's calibration needs parallelize: it registers itself)
+import fxpar.fx_leaves  # noqa: F401  (torch.fx graph building without a per-node pytree walk: the same leaves)
 import fxpar.ops  # noqa: F401  (registers fxpar::bmm4 before any program runs)
 from fxpar.api import parallelize
 from fxpar.cluster import Cluster
