@@ -127,7 +127,8 @@ def fxpar_405b(layers: int) -> dict[str, Any]:
     ledger = pm.ledger(NEW_RANKS[0])
     counts = Counter(f"{r.op}@{r.axis}" + (" per microbatch" if r.mb is not None else " per step") for r in ledger)
     return {"parallelize": parallelize, "programs": programs, "holds": holds, "ledger_rank": NEW_RANKS[0],
-            "ledger_counts": dict(counts), "proof": str(pm.proof), "timings_wall_s": pm.timings}
+            "ledger_counts": dict(counts), "proof": str(pm.proof), "timings_wall_s": pm.timings,
+            "captures": str(pm._compiled.stages[0].notes.get("captures"))}
 
 
 def worker_main(kind: str, layers: int) -> None:
@@ -193,7 +194,7 @@ def table_405b(e: dict[str, Any], f: dict[str, Any]) -> list[str]:
                               "peak RSS MB (fxpar)", "peak RSS MB (export)",
                               f"slowest pm.program(rank) of ranks {', '.join(map(str, NEW_RANKS))} (never asked)"],
                              rows),
-             "", f"Proof: `{f['proof']}`.", "",
+             "", f"Captures: `{f.get('captures')}`; proof: `{f['proof']}`.", "",
              f"Ledger of rank {f['ledger_rank']} (stage 8): "
              + ", ".join(f"{k} x{v}" for k, v in sorted(f["ledger_counts"].items())) + ".", "",
              "Layers per stage (`# holds` of each stage's program): "
