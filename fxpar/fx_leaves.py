@@ -2,14 +2,15 @@
 
 torch 2.13's ``Graph.create_node`` walks every new node's arguments with ``pytree.tree_iter`` to warn about
 raw ``SymInt`` arguments. ``tree_iter`` is a recursive generator that looks up each value's pytree node type:
-about 50 us a node, which was 10-17% of ``parallelize`` on the 70B and 405B layouts of
-``bench/compile_time.py`` (py-spy), spent in fxpar's own graph building (lowering, stitching, copies) and in
-AOTAutograd's tracer alike. ``install`` points ``torch.fx.graph``'s ``pytree`` at a view of
-``torch.utils._pytree`` whose ``tree_iter`` yields exactly the same leaves in the same order: tuples, lists,
-dicts and fx's immutable collections are walked in a loop (their registered flattening is their values in
-order), any other registered container (namedtuples, ``OrderedDict``, user types) or an ``is_leaf`` goes to
-the real ``tree_iter``. Every other name resolves to ``torch.utils._pytree``'s own.
-``tests/test_fx_leaves.py`` checks the leaves against ``pytree.tree_iter`` and that the warning still fires.
+about 15-20 us of the 36-39 us it takes to make or copy a node, which was 10-17% of ``parallelize`` on the
+70B and 405B layouts of ``bench/compile_time.py`` (py-spy), spent in fxpar's own graph building (lowering,
+stitching, copies) and in AOTAutograd's tracer alike. ``install`` points ``torch.fx.graph``'s ``pytree`` at a
+view of ``torch.utils._pytree`` whose ``tree_iter`` yields exactly the same leaves in the same order: tuples,
+lists, dicts and fx's immutable collections are walked in a loop (their registered flattening is their values
+in order); any other registered container (namedtuples, ``OrderedDict``, user types) or an ``is_leaf`` goes to
+the real ``tree_iter``; whether a class is a namedtuple is cached. Every other name resolves to
+``torch.utils._pytree``'s own. ``tests/test_fx_leaves.py`` checks the leaves against ``pytree.tree_iter`` and
+that the warning still fires.
 """
 
 from __future__ import annotations
@@ -43,10 +44,20 @@ def _collect(tree: Any, out: list[Any]) -> None:
     elif kind in _MAPPINGS:
         for child in tree.values():
             _collect(child, out)
-    elif kind in pytree.SUPPORTED_NODES or pytree.is_namedtuple_instance(tree):
+    elif kind in pytree.SUPPORTED_NODES or _namedtuple_class(kind):
         out.extend(pytree.tree_iter(tree))
     else:
         out.append(tree)
+
+
+_NAMEDTUPLE: dict[type, bool] = {}  # whether a class is a namedtuple (a pytree node): fixed when it is made
+
+
+def _namedtuple_class(kind: type) -> bool:
+    known = _NAMEDTUPLE.get(kind)
+    if known is None:
+        known = _NAMEDTUPLE[kind] = pytree.is_namedtuple_class(kind)
+    return known
 
 
 class _PytreeView(types.ModuleType):
