@@ -141,12 +141,26 @@ class _Unkeyable(Exception):
     pass
 
 
+# id(fake value) -> (the value, its metadata key): a value is read as an argument by several ops, and reading a fake
+# tensor's shape, strides, offset, dtype, device and requires_grad costs about 3.5 us
+_TENSOR_KEYS: dict[int, tuple[torch.Tensor, tuple[Any, ...]]] = {}
+
+
+def _tensor_key(v: torch.Tensor) -> tuple[Any, ...]:
+    return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device, v.requires_grad)
+
+
 def _arg_key(a: Any) -> Any:
     if isinstance(a, fx.Node):
         v = a.meta.get("val")
         if not isinstance(v, torch.Tensor):
             raise _Unkeyable
-        return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device, v.requires_grad)
+        known = _TENSOR_KEYS.get(id(v))
+        if known is None or known[0] is not v:  # the entry holds its tensor, so no other can take its id meanwhile
+            known = _TENSOR_KEYS[id(v)] = (v, _tensor_key(v))
+            if len(_TENSOR_KEYS) > _SharedFake.LIMIT:
+                _TENSOR_KEYS.clear()
+        return known[1]
     if isinstance(a, (tuple, list)):
         return (type(a).__name__, tuple(_arg_key(x) for x in a))
     if isinstance(a, _PLAIN):
