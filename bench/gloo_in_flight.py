@@ -5,8 +5,9 @@ all-gathers and all-reduces of small tensors, as ZeRO with overlap issues them),
 issue and wait as compute makes. ``--policy many`` issues a whole batch on the ``dp`` group before waiting for
 any of it, in a shuffled order: what ``fxpar.lower.overlap`` did on every backend before. ``--policy one-per-group``
 alternates the batch between the ``dp`` and ``pp`` groups and keeps at most one collective in flight on each
-(the next issue on a group first waits for its previous one): what ``fxpar.lower.overlap`` does on gloo now.
-``--policy one-per-process`` alternates the groups too but keeps one collective in flight in the whole process;
+(the next issue on a group first waits for its previous one): what ``fxpar.lower.overlap`` did on gloo from
+session 18. ``--policy one-per-process`` alternates the groups too but keeps one collective in flight in the whole
+process: what it does on gloo since session 38;
 ``--policy off`` waits for each collective right after issuing it (``Plan(overlap=False)``). A run
 survives or a rank dies natively (glibc: "malloc(): unaligned tcache chunk detected", "free(): invalid
 pointer"); the script prints how many runs survived. About 2 minutes per run on 2 cores::

@@ -33,7 +33,7 @@ def overlap(prog: Program, ctx: Context) -> Program:
     backward graph, each issued as soon as its last gradient exists; otherwise they stay in the
     once-per-step ``reduce_grads`` graph (gradients are summed over microbatches first). Lowering's
     ``fxpar.overlap`` step then moves every issue up and every wait down (on gloo meshes keeping one collective
-    in flight per process group). Without ``plan.overlap`` the
+    in flight per rank program). Without ``plan.overlap`` the
     Program is unchanged (one all-reduce per gradient, issued and waited back to back).
     """
     plan = ctx.plan

@@ -21,7 +21,8 @@
 7. ZeRO-3 with overlap on gloo (CI, and ``pp=2 x dp=2`` interleaved-1f1b examples): a rank died natively,
    "malloc(): unaligned tcache chunk detected", about once per 20 runs. Gloo corrupts the heap now and then when
    several functional collectives are in flight on one process group (``bench/gloo_in_flight.py`` reproduces it
-   with plain torch); overlap now keeps one in flight per group on gloo (``tests/test_overlap.py``).
+   with plain torch); overlap kept one in flight per group on gloo, and since session 38 one per rank program
+   (``tests/test_overlap.py``; bench/README.md section 12).
 """
 
 from __future__ import annotations

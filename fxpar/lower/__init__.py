@@ -43,7 +43,7 @@ def steps() -> list[Step]:
         add_reduce_grads,  # the batch axes' gradient reductions deferred out of the backward, bucketed, own graph
         add_gather_params,  # ZeRO-1/2: the once-per-step all-gather of the dp-sharded parameters, own graph
         inline_reductions,  # overlap, one stage and one microbatch: the bucket all-reduces issued inside the backward
-        reorder_for_overlap,  # overlap: every collective issued early, waited late (gloo: one in flight per group)
+        reorder_for_overlap,  # overlap: every collective issued early, waited late (gloo: one in flight at a time)
         read_ledger,  # the ledger, read from the final graphs' collective nodes (recomputed ones re-issue)
     ]
 
@@ -80,9 +80,9 @@ def inline_reductions(lw: Lowerer, rp: RankProgram) -> RankProgram:
 def reorder_for_overlap(lw: Lowerer, rp: RankProgram) -> RankProgram:
     if lw.prog.notes.get("overlap") is None:
         return rp
-    one_per_group = lw.prog.mesh.device == "cpu"  # gloo: see fxpar.lower.overlap
+    in_flight = issue_order.GLOO_IN_FLIGHT if lw.prog.mesh.device == "cpu" else "many"  # see fxpar.lower.overlap
     for gm in (rp.forward, rp.backward):
-        issue_order.overlap(gm.graph, one_per_group)
+        issue_order.overlap(gm.graph, in_flight)
         gm.recompile()
     return rp
 

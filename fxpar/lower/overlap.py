@@ -11,12 +11,14 @@ collectives on its own threads, NCCL on its own stream):
 * a ZeRO-3 parameter all-gather (inputs: parameter shards only) of block ``b`` (``layers.<b>``) moves up
   no further than the first wait of block ``b - 1``'s gathers: the next block's parameters are prefetched
   while the current block computes (FSDP's one-block prefetch), not every block's at once;
-* with ``one_per_group`` (gloo, i.e. CPU meshes) a group has at most one collective in flight: the wait of
-  its previous collective moves up to just before the next issue. Gloo in torch 2.13 corrupts the heap now
-  and then (glibc "malloc(): unaligned tcache chunk detected") when several functional collectives are in
-  flight on one process group; one at a time per group, with other groups in flight beside it, it does so
-  several times more rarely (``bench/gloo_in_flight.py``, bench/README.md section 12). Compute still runs
-  while each collective is in flight. NCCL meshes keep every collective in flight as long as it can be.
+* ``in_flight`` bounds how many collectives run at once. ``"many"`` (NCCL meshes) keeps every collective in
+  flight as long as it can be. ``"group"`` keeps at most one in flight per process group and ``"process"``
+  (gloo, i.e. CPU meshes: ``GLOO_IN_FLIGHT``) at most one in the whole rank program: the wait of the
+  previous collective moves up to just before the next issue. Gloo in torch 2.13 corrupts the heap now and
+  then (glibc "malloc(): unaligned tcache chunk detected") with several functional collectives in flight on
+  one process group, and, more rarely, with one per group on two groups (``bench/gloo_in_flight.py``,
+  bench/README.md section 12); one per process has not lost a rank there. Compute still runs while the
+  collective is in flight.
 
 Compute nodes keep their order and no value changes: results are bitwise those of the unreordered graph.
 """
@@ -24,6 +26,7 @@ Compute nodes keep their order and no value changes: results are bitwise those o
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -32,15 +35,17 @@ from fxpar.backends.comm import c10d, group_arg_index
 from fxpar.ir import BLOCK
 
 aten = torch.ops.aten
+InFlight = Literal["many", "group", "process"]
+GLOO_IN_FLIGHT: InFlight = "process"  # the fastest setting that never lost a rank (bench/README.md section 12)
 # layout-only ops that move with the collective they feed or unpack
 CHEAP = {aten.movedim.int, aten.clone.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
          aten.cat.default, aten.slice.Tensor, aten.permute.default, aten.constant_pad_nd.default, aten.t.default,
          aten.transpose.int, aten.view.dtype}
 
 
-def overlap(graph: fx.Graph, one_per_group: bool = False) -> int:
+def overlap(graph: fx.Graph, in_flight: InFlight = "many") -> int:
     """Reorder ``graph`` in place as the module docstring says; returns how many collectives end up with compute
-    between their issue and their wait. ``one_per_group``: at most one collective in flight per group (gloo).
+    between their issue and their wait. ``in_flight``: ``"many"``, or at most one per ``"group"`` or ``"process"``.
 
     The cheap layout copies that only prepare a collective's input (``movedim``, ``clone``, a bucket's
     ``cat``) move up with it, and those that only unpack its result (``slice``, ``view``) move down with
@@ -70,8 +75,8 @@ def overlap(graph: fx.Graph, one_per_group: bool = False) -> int:
         else:
             order.insert_after(bound, c)
         last_in_group[group] = c
-    if one_per_group:
-        _one_in_flight_per_group(order, wait_of)
+    if in_flight != "many":
+        _one_in_flight(order, wait_of, per_group=in_flight == "group")
     _apply(graph, list(order))
     return sum(1 for c, w in wait_of.items() if order.after(c) is not w)
 
@@ -195,14 +200,15 @@ def _is_param_gather(c: fx.Node) -> bool:
     return True
 
 
-def _one_in_flight_per_group(order: _Order, wait_of: dict[fx.Node, fx.Node]) -> None:
-    """Move the wait of a group's in-flight collective up to just before the group's next issue."""
+def _one_in_flight(order: _Order, wait_of: dict[fx.Node, fx.Node], per_group: bool) -> None:
+    """Move the wait of an in-flight collective up to just before the next issue: of its group (``per_group``),
+    else of any group."""
     in_flight: dict[str, fx.Node] = {}
     waiting = {w: c for c, w in wait_of.items()}
     for n in list(order):
         index = group_arg_index(n.target)
         if index is not None:
-            group = n.args[index]
+            group = n.args[index] if per_group else ""
             previous = in_flight.pop(group, None)
             if previous is not None:  # its wait is still below n
                 order.remove(wait_of[previous])
