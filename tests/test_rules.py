@@ -43,6 +43,20 @@ def test_sdpa_cpu_forward_with_broadcast_mask() -> None:
         check_candidate(op, (q, k, v), {"attn_mask": mask}, cand, 2)
 
 
+@pytest.mark.parametrize("shape", [(8, 8), (1, 8), (2, 4, 8, 8), (1, 4, 8, 8), (2, 1, 8, 8)])
+def test_sdpa_cpu_mask_broadcasts_from_the_right(shape: tuple[int, ...]) -> None:
+    """A mask lines up with ``[batch, heads, q, k]`` from the right, as torch broadcasts it: a 2-D causal mask
+    has no batch or heads dim to shard (it once got sliced to the local batch on its query rows; the CPU kernel
+    takes 2-D and 4-D masks). Every candidate runs on real shards, and batch and heads sharding stay available."""
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    q, k, v = _qkv(b=2)
+    mask = torch.randn(shape)
+    found = candidates(op, (q, k, v), {"attn_mask": mask}, [Replicate()] * 4, 2)
+    assert {c.output[0] for c in found} == {Replicate(), Shard(0), Shard(1)}
+    for cand in found:
+        check_candidate(op, (q, k, v), {"attn_mask": mask}, cand, 2)
+
+
 def test_sdpa_cpu_backward_rules() -> None:
     fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
     op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default

@@ -2,9 +2,11 @@
 flash, memory-efficient and cuDNN kernels, forward and backward.
 
 Attention is independent per batch element and per head, so q/k/v/out/logsumexp (and the
-gradients) may all be sharded on the batch dim (0) or all on the heads dim (1). A mask whose
-batch or heads dim is a broadcast 1 stays replicated. GQA works head-sharded as long as both
-the query and the kv head counts divide by the axis size (local groups stay aligned).
+gradients) may all be sharded on the batch dim (0) or all on the heads dim (1). A mask (or bias)
+broadcasts from the right, as torch does: a 2-D ``[q, k]`` mask has no batch or heads dim and a 3-D
+one has no batch dim; a mask without that dim, or whose size there is a broadcast 1, stays replicated.
+GQA works head-sharded as long as both the query and the kv head counts divide by the axis size
+(local groups stay aligned).
 
 The CUDA kernels also pass small bookkeeping tensors from forward to backward (the dropout RNG's seed and
 offset, 0-D or 1-D): those are the same on every rank (replicated), as are the kernels' integer outputs.
@@ -25,10 +27,21 @@ from fxpar.rules.registry import Candidate, register
 aten = torch.ops.aten
 
 
+ATTENTION_NDIM = 4  # [batch, heads, seq, head_dim]: what a mask or bias broadcasts against
+
+
+def _broadcast_dim(t: torch.Tensor, dim: int) -> int | None:
+    """The dim of ``t`` (a mask or bias) that lines up with attention dim ``dim`` under right-aligned
+    broadcasting, or None where ``t`` has no such dim or its size there is a broadcast 1."""
+    own = dim - (ATTENTION_NDIM - t.dim())
+    return own if own >= 0 and t.shape[own] > 1 else None
+
+
 def _mask_placement(mask: torch.Tensor | None, dim: int) -> list:
     if mask is None:
         return []
-    return [Shard(dim) if mask.shape[dim] > 1 else Replicate()]
+    own = _broadcast_dim(mask, dim)
+    return [Shard(own) if own is not None else Replicate()]
 
 
 def _attention_candidates(tensors: list[torch.Tensor], mask: torch.Tensor | None, n_out: int, n: int):
@@ -91,6 +104,10 @@ def _cuda_candidate(tensors: list[torch.Tensor], bias: torch.Tensor | None, outp
     (heads must divide; the batch only needs a piece per rank), or a broadcast size other than the bias's (a
     bias broadcast on ``dim`` stays whole, and then its gradient could not be sharded)."""
     def place(t: torch.Tensor, may_broadcast: bool) -> Placement | None:
+        if may_broadcast:  # the bias lines up with the per-head tensors from the right
+            own = _broadcast_dim(t, dim)
+            return Replicate() if own is None else Shard(own) if (t.shape[own] % n == 0 if dim == 1 else
+                                                                    t.shape[own] >= n) else None
         if t.dim() < PER_HEAD_NDIM:
             return Replicate()
         size = t.shape[dim]
