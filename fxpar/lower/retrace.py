@@ -256,11 +256,26 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         if arg is None:
             return None
         if planned is None:
-            return self.env[arg.name]
+            return self.own_zero_shard(pos, self.env[arg.name])
         producer, dst, steps = planned
+        deferred = len(self.deferred)
         if pos in self.grad_fqn:
             dst, steps = self.defer_dp_reduction(pos, producer, dst, steps)
-        return self.redistribute(producer, dst, steps, "") if steps else self.env[producer]
+        value = self.redistribute(producer, dst, steps, "") if steps else self.env[producer]
+        if len(self.deferred) == deferred:
+            value = self.own_zero_shard(pos, value)
+        return value
+
+    def own_zero_shard(self, pos: int, grad: fx.Node) -> fx.Node:
+        """A ZeRO parameter's gradient that is already whole over dp (computed on every rank from gathered values,
+        so no reduction is deferred): this rank keeps its shard, as a reduce-scatter would have left it."""
+        fqn = self.grad_fqn.get(pos)
+        if fqn not in self.zero:
+            return grad
+        d = self.zero[fqn]
+        piece = self.own_piece(grad, d, BATCH_AXIS, None, fqn)
+        return self.emit(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}, module=fqn) \
+            if d else piece
 
 
 
