@@ -25,6 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from fxpar import blocks as _blocks_module
 from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque_blocks, sharing_enabled
 from fxpar.errors import CaptureError
+from fxpar.global_means import means_as_sums
 from fxpar.ir import Program, Provenance, Signature
 from fxpar.mesh import Mesh
 from fxpar.mixed_precision import computing_in
@@ -163,6 +164,7 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         if exported.blocks is not None:
             gm = stitch(gm, exported.blocks, lambda n: user_source(n.meta.get("stack_trace"), before=_BLOCKS_FILE))
         _split_addmm(gm)
+        means_as_sums(gm)
         bias_after_token_view(gm)
         drop_identity_batch_index(gm)
         bmm_over_heads(gm)

@@ -61,6 +61,10 @@ PARTIAL_LINEAR = {
     aten.embedding_dense_backward.default,  # linear in the gradient (a batch-free position table)
 }
 PARTIAL_SUMS = {aten.add.Tensor, aten.sub.Tensor}  # partial only if every tensor arg is partial
+# linear in one argument while the other is replicated (which one may be partial is the candidate's, DTensor's,
+# call); kept partial only for a scalar (a loss over sharded rows, ``fxpar.global_means``): on a larger value a
+# greedy choice to stay partial can cost two all-reduces downstream where one was enough
+PARTIAL_PRODUCTS = {aten.mul.Tensor, aten.div.Tensor}
 MAX_REDUCTIONS = {aten.amax.default}  # may leave a Partial("max") (fp8 scales), completed by a max all-reduce
 VIEW_LIKE = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
              aten.permute.default, aten.detach.default, aten.alias.default, aten._to_copy.default}
@@ -409,8 +413,15 @@ def _allowed(node: fx.Node, cand: Candidate, cur: list[Placement], n: int) -> bo
     if any(kept_partial):
         if node.target in PARTIAL_SUMS:
             return all(kept_partial)
+        if node.target in PARTIAL_PRODUCTS and _is_scalar(node):
+            return sum(kept_partial) == 1 and all(isinstance(p, (Partial, Replicate)) for p in cand.inputs)
         return node.target in PARTIAL_LINEAR or is_partial_scatter_add(node, cand) or is_float_cast(node)
     return True
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.ndim == 0
 
 
 def is_float_cast(node: fx.Node) -> bool:

@@ -1,0 +1,67 @@
+"""A model that computes its own loss, as many users' models do, for ``tests/test_in_model_loss.py``.
+
+Module-level so that spawned gloo ranks can unpickle it; it imports nothing from fxpar (it stands for user code).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MaskedBlock(nn.Module):
+    """Pre-norm attention with a 2-D boolean mask the model builds (``[q, k]``, no batch dim), then an MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for t in self.qkv(self.norm(x)).split(d, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.out(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(x)
+
+
+class SelfLossLM(nn.Module):
+    """``model(tokens, labels) -> loss``: token cross-entropy over the targets not ignored (-100), plus an
+    activation penalty (a mean over every element) and an L2 penalty on ``temperature``, a parameter no token
+    reaches: its gradient is the same on every rank, not a per-rank partial sum."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(MaskedBlock(dim, heads) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+        self.temperature = nn.Parameter(torch.ones(dim))
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, mask)
+        logits = self.head(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return loss + 1e-3 * x.pow(2).mean() + 1e-2 * (self.temperature - 1.5).pow(2).sum()
+
+
+def self_loss_lm() -> SelfLossLM:
+    return SelfLossLM()
+
+
+def self_loss_batch(batch: int = 6, seq: int = 8, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels with ignored targets spread unevenly over the batch (rank pieces count differently)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels[0, :6] = -100
+    labels[1, 3:] = -100
+    return tokens, labels

@@ -1,0 +1,60 @@
+"""Models that compute their own loss (``model(x, labels) -> loss``, Hugging Face's ``labels=``).
+
+The loss is a mean over the batch, which dp and cp shard: each rank sums its own rows and the sums are
+all-reduced as scalars (``fxpar.global_means``), never the logits. The loss is the global one, ignored targets
+included (a mean of per-rank means would not be), and a parameter no token reaches gets a gradient that is
+already whole on every rank: under ZeRO each rank keeps its shard of it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.testing import assert_equivalent
+from fxpar.testing.loss_models import self_loss_batch, self_loss_lm
+
+
+def _forward_rows(pm: fxpar.ParallelModule, rank: int = 0) -> list[object]:
+    return [r for r in pm.ledger(rank) if r.phase == "fwd"]
+
+
+def test_hf_labels_loss_moves_scalars_not_logits() -> None:
+    """HF Llama with ``labels`` on dp=2: the forward's only collectives are two scalar all-reduces (the summed
+    loss and the count of targets not ignored); it used to all-gather the log-softmax of every token."""
+    pytest.importorskip("transformers")
+    from fxpar.models import hf_families
+
+    ids = torch.randint(0, hf_families.VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxpar.FxparWarning)
+        pm = fxpar.parallelize(hf_families.llama(), fxpar.Mesh({"dp": 2}, fake=True),
+                               {"input_ids": ids, "labels": ids})
+    rows = _forward_rows(pm)
+    assert [(r.op, r.axis, r.bytes) for r in rows] == [("all_reduce", "dp", 4)] * 2
+    assert "nll_loss_forward" in pm.program(0)
+
+
+def test_self_loss_model_ledger_has_no_activation_gather() -> None:
+    """The custom model's three means (cross-entropy with ignored targets, an activation penalty) reduce
+    scalars; its 2-D attention mask stays whole on every rank."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxpar.FxparWarning)
+        pm = fxpar.parallelize(self_loss_lm(), fxpar.Mesh({"dp": 2}, fake=True), self_loss_batch())
+    assert {(r.op, r.bytes) for r in _forward_rows(pm)} == {("all_reduce", 4)}
+    assert not any("slice" in line and "where" in line for line in pm.program(0).splitlines())
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_self_loss_model_matches_single_device(zero: int) -> None:
+    """dp=2, fp32, rtol 1e-5: loss, every gradient (the penalty's whole one included) and parameters after the
+    steps; under ZeRO each rank's gradient of ``temperature`` is its shard of the whole one."""
+    assert_equivalent(self_loss_lm, {"dp": 2}, fxpar.Plan(zero=zero), self_loss_batch(), steps=2)
+
+
+def test_self_loss_model_uneven_batch_matches_single_device() -> None:
+    """dp=2 over a batch of 5: the ranks hold 3 and 2 rows and different counts of ignored targets."""
+    assert_equivalent(self_loss_lm, {"dp": 2}, None, self_loss_batch(batch=5), steps=2)
