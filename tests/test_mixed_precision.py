@@ -2,7 +2,7 @@
 
 Equivalence is against the single-device model making the same casts (``fxpar.mixed_precision.computing_in``:
 bf16 forward and backward from fp32 master weights, fp32 gradients) at bf16 tolerance
-(``fxpar.testing.tolerance``: rtol 1.6e-2, atol 1e-2 x max|ref| at step 0; 5e-2 later; parameters within
+(``fxpar.testing.tolerance``: rtol 3.2e-2, atol 2e-2 x max|ref| at step 0; 5e-2 later; parameters within
 2 lr): a sharded matmul rounds its partial products to bf16 before they are summed, the single device
 rounds the sum once.
 """

@@ -23,7 +23,12 @@ model, or mixed precision computing in bf16) a gradient element at the rounding 
 either side, and each Adam step moves it by ``lr`` one way or the other: parameters are held to ``2 lr`` per
 step taken (measured: up to 3.5 ``lr`` after 2 steps of the tied-embedding Llama at dp=2 x tp=2 with ZeRO-3;
 fp16 likewise). Parameters after a step then catch only gross errors; the gradients are the check (Adam hides
-a constant factor anyway).
+a constant factor anyway). At step 0, bf16 holds gradients to rtol 3.2e-2 and atol 2e-2 x max|ref| (four bf16
+ulps, twice ``torch.testing``'s 1.6e-2): tp's row-parallel all-reduces round each layer's forward output once more
+than one device does, and that compounds over layers into sums with cancellation. Measured: a 5-layer GPT with a
+tied head at dp=2 x tp=2, ZeRO-3, bf16 compute, erred by 0.0625 on a LayerNorm bias gradient of 2.09 (3.0%; the
+single-device bf16 reference itself is 0.019 from fp32, and splitting its batch in two moves it 0.023). The same
+model in fp32 matches at rtol 1e-5, and a missing or doubled reduction is still a 50-100% error.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class Tolerance:
 DEFAULTS: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(rtol=1e-10, atol=1e-12, later_steps=1e-8, param_lr_fraction=1e-4),
     torch.float32: Tolerance(rtol=1e-5, atol=1e-6, later_steps=1e-4, param_lr_fraction=2e-2),
-    torch.bfloat16: Tolerance(rtol=1.6e-2, atol=1e-2, later_steps=5e-2, param_lr_fraction=2.0),
+    torch.bfloat16: Tolerance(rtol=3.2e-2, atol=2e-2, later_steps=5e-2, param_lr_fraction=2.0),
     torch.float16: Tolerance(rtol=2e-3, atol=1e-3, later_steps=1e-2, param_lr_fraction=2.0),
 }
 
