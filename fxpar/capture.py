@@ -170,6 +170,7 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         bmm_over_heads(gm)
         if mesh.axes.get(CONTEXT_AXIS, 1) > 1:  # the sequence is sharded: keep Linear's tokens un-flattened
             tokens_unflattened(gm)
+    _refuse_mutations(gm, model)
     signature = _signature(gm, joint, args, canonical_names(model))
     provenance = {n.name: _provenance(n) for n in gm.graph.nodes if n.op != "output"}
     return Program(gm=gm, mesh=mesh, signature=signature, provenance=provenance)
@@ -278,6 +279,28 @@ def _is_user_file(path: str) -> bool:
     path = os.path.abspath(path) if "<" not in path else path
     return not (path.startswith(_TORCH_DIR) or "<" in path or path.startswith(_COMPILER_DIRS)
                 or path in _COMPILER_FILES or "site-packages" in path)
+
+
+def _refuse_mutations(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """A ``CaptureError`` naming each buffer or input the model's forward writes in place (BatchNorm's running
+    statistics in training mode, an EMA, a step counter), at the user's line: a rank program computes a pure
+    training step, and dropping the write would silently leave the buffer stale."""
+    out = gm.graph.output_node()
+    written = [(desc.mutated_input, value) for value, desc in zip(out.args[0], out.meta["desc"], strict=True)
+               if type(desc).__name__ == "InputMutationAOTOutput"]
+    if not written:
+        return
+    lines = []
+    for what, value in written:
+        name = getattr(what, "target", None) or f"input {getattr(what, 'idx', '?')}"
+        module = _provenance(value).module if isinstance(value, fx.Node) else ""
+        source = _provenance(value).source if isinstance(value, fx.Node) else ""
+        lines.append(f"  {name}" + (f" (in {module})" if module else "") + (f" at {source}" if source else ""))
+    raise CaptureError(
+        f"cannot compile {type(model).__name__}: its forward writes {len(written)} buffer(s) or input(s) in place:\n"
+        + "\n".join(lines) + "\nhint: fxpar compiles a pure training step. For BatchNorm, put the layer in eval mode "
+        "or build it with track_running_stats=False (batch statistics are then computed over the whole batch); "
+        "move other updates (EMAs, counters) out of forward")
 
 
 def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...], canonical: dict[str, str]) -> Signature:

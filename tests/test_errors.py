@@ -6,6 +6,7 @@ bodies and the models live in ``fxpar.testing.error_models`` so that spawned ran
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import time
@@ -111,6 +112,26 @@ def test_data_dependent_control_flow_names_the_line() -> None:
         fxpar.parallelize(error_models.data_dependent_branch(), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(4, 8),))
     msg = str(info.value)
     assert f"{path}:{line}" in msg or f"error_models.py:{line}" in msg, msg
+
+
+def test_buffer_written_in_forward_names_buffers_and_line() -> None:
+    """BatchNorm in training mode writes its running statistics in forward: a rank program is a pure step, so
+    fxpar refuses with the buffers and the user's line (dropping the write would leave them silently stale)."""
+    path = inspect.getsourcefile(error_models)
+    with open(path) as f:
+        line = next(i for i, text in enumerate(f.read().splitlines(), 1) if "# WRITES" in text)
+    with pytest.raises(fxpar.CaptureError) as info:
+        fxpar.parallelize(error_models.batch_norm_conv(), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(4, 3, 6, 6),))
+    msg = str(info.value)
+    assert "norm.running_mean (in norm)" in msg and "norm.num_batches_tracked" in msg, msg
+    assert f"error_models.py:{line}" in msg and "track_running_stats=False" in msg, msg
+
+
+def test_batch_norm_without_running_stats_matches_single_device() -> None:
+    """The error's way out: batch statistics only, computed over the whole dp-sharded batch (fp32, rtol 1e-5)."""
+    assert_equivalent(functools.partial(error_models.batch_norm_conv, track_running_stats=False), {"dp": 2},
+                      fxpar.Plan(zero=3), (torch.randn(6, 3, 6, 6, generator=torch.Generator().manual_seed(0)),),
+                      steps=2)
 
 
 # 5. an op without a sharding rule ------------------------------------------------------------------

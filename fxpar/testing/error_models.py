@@ -34,6 +34,24 @@ def data_dependent_branch(**kwargs: int) -> DataDependentBranch:
     return DataDependentBranch(**kwargs)
 
 
+class BatchNormConv(nn.Module):
+    """A conv net with BatchNorm in training mode: its forward writes the running statistics (buffers) in place."""
+
+    def __init__(self, track_running_stats: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8, track_running_stats=track_running_stats)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.norm(self.conv(x)))  # WRITES: the line the CaptureError must name
+        return self.head(h.mean((2, 3)))
+
+
+def batch_norm_conv(**kwargs: bool) -> BatchNormConv:
+    return BatchNormConv(**kwargs)
+
+
 class NoRuleMLP(nn.Module):
     """``down(hardswish(h) * bucket(h))`` with ``h = up(x)`` sharded over tp: two elementwise ops DTensor
     cannot shard, so fxpar runs them replicated (gathering their inputs) and must stay exact.
