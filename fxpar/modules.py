@@ -21,7 +21,7 @@ class ModuleInfo:
 
     type_name: str  # its class name
     kind: str  # "linear" | "conv1d" (HF GPT-2 style, weight (in, out)) | "embedding" | "experts" | "other"
-    in_features: int | None = None  # a Linear's widths
+    in_features: int | None = None  # a Linear's (or Conv1D's) widths
     out_features: int | None = None
 
 
@@ -60,7 +60,7 @@ def _info(module: torch.nn.Module) -> ModuleInfo:
     if isinstance(module, torch.nn.Linear):
         return ModuleInfo(name, "linear", module.in_features, module.out_features)
     if name == "Conv1D" and hasattr(module, "nf"):
-        return ModuleInfo(name, "conv1d")
+        return ModuleInfo(name, "conv1d", module.weight.shape[0], module.nf)
     if isinstance(module, torch.nn.Embedding):
         return ModuleInfo(name, "embedding")
     return ModuleInfo(name, "other")

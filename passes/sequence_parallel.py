@@ -49,11 +49,12 @@ def sequence_parallel(prog: Program, ctx: Context) -> Program:
 
 
 def hidden_widths(modules: ModuleTable, styles: dict[str, str]) -> set[int]:
-    """Widths of the residual stream a tp plan implies: colwise Linears read it, rowwise Linears write it."""
+    """Widths of the residual stream a tp plan implies: colwise Linears read it, rowwise Linears write it (HF GPT-2's
+    ``Conv1D`` is a Linear with its weight stored transposed)."""
     widths = set()
     for path, style in styles.items():
         mod = modules.get(path)
-        if mod is not None and mod.kind == "linear":
+        if mod is not None and mod.kind in ("linear", "conv1d"):
             if style == "colwise":
                 widths.add(mod.in_features)
             elif style == "rowwise":

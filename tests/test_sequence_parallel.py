@@ -64,6 +64,26 @@ def test_embedding_gradient_all_gathers_the_stream_not_the_table(tie: bool) -> N
     assert max(r.bytes for r in rows) == tokens.numel() * HIDDEN * 4  # the stream, gathered or scattered whole
 
 
+def test_hf_gpt2_conv1d_plan_runs_sequence_parallel() -> None:
+    """HF GPT-2's projections are ``Conv1D`` (a Linear with its weight transposed): their widths name the residual
+    stream as a Linear's do, so SP is on (it used to warn and turn itself off). Every boundary reduce-scatters and
+    all-gathers; no tp all-reduce is larger than a LayerNorm's gradient, the learned position table's included
+    (its gradient gathers the s x h stream, not the table), and the program matches the single device on gloo."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    from fxpar.models import hf_families
+
+    batch, plan = hf_families.inputs("gpt2"), fxpar.Plan(tp=hf_families.TP_PLANS["gpt2"], sequence_parallel=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxparWarning)
+        pm = fxpar.parallelize(hf_families.gpt2(), fxpar.Mesh({"tp": 2}, fake=True), batch, plan=plan)
+    rows = [r for r in pm.ledger(0) if r.axis == "tp"]
+    assert max(r.bytes for r in rows if r.op == "all_reduce") == hf_families.HIDDEN * 4
+    assert Counter(r.op for r in rows if r.phase == "fwd")["reduce_scatter"] == 2 * hf_families.LAYERS
+    assert_equivalent(hf_families.gpt2, {"tp": 2}, plan, batch, steps=2)
+
+
 def test_a_biased_row_parallel_linear_reduce_scatters_its_product() -> None:
     """HF Starcoder2's o_proj and c_proj are row-parallel with a bias. The bias is added on the flattened product,
     where only an all-reduce could resolve the partial sum; fxpar adds it after the view back to [b, s, h]
