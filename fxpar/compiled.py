@@ -139,6 +139,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     kind, keys, flat = _flatten_inputs(example_inputs)
     n_user = len(flat)
     constants = {k: v for k, v in zip(keys or range(n_user), flat, strict=True) if not _is_tensor(v)}
+    _refuse_nested_tensors(constants)
     if kind == "dict" or constants:  # traced through a stand-in taking the tensors; flags and None are constants
         model = input_adapter(model, kind, keys, constants, n_user)
         keys = tuple(k for k in keys if k not in constants)
@@ -181,6 +182,17 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
+
+
+def _refuse_nested_tensors(constants: dict[Any, Any]) -> None:
+    """A non-tensor input is baked into the program as a constant: one that holds tensors (a dict or list of them)
+    would be compiled unsharded, with its values frozen, so it is refused instead."""
+    for key, value in constants.items():
+        if any(_is_tensor(leaf) for leaf in pytree.tree_leaves(value)):
+            what = f"keyword input {key!r}" if isinstance(key, str) else f"positional input {key}"
+            raise TypeError(f"{what} is a {type(value).__name__} holding tensors: fxpar takes tensors as top-level "
+                            "inputs (positional, or keywords of a dict batch); non-tensor inputs are constants of "
+                            "the compiled program. Pass each tensor as its own input")
 
 
 def input_adapter(model: torch.nn.Module, kind: str, keys: tuple[str, ...], constants: dict[Any, Any],

@@ -69,3 +69,14 @@ def test_a_constant_that_differs_at_run_time_is_a_clear_error() -> None:
     positional = fxpar.parallelize(Scaled(), fxpar.Mesh({"tp": 2}, fake=True), (x, None, 2.0))._compiled
     with pytest.raises(ValueError, match=r"positional input 2 is 1.0 here but was 2.0"):
         flat_user_inputs(positional, (x, None, 1.0))
+
+
+@pytest.mark.parametrize("nested", [{"mask": [torch.ones(8, 64)]}, {"mask": {"m": torch.ones(8, 64)}}],
+                         ids=["list", "dict"])
+def test_tensors_nested_in_an_input_are_a_clear_error(nested: dict) -> None:
+    """A container of tensors would be baked in as a constant (unsharded, its values frozen, and compared with
+    ``==`` at run time, which crashed): it is refused when compiling, naming the input."""
+    with pytest.raises(TypeError, match=r"keyword input 'mask' is a (list|dict) holding tensors"):
+        fxpar.parallelize(Scaled(), fxpar.Mesh({"dp": 2}, fake=True), {"x": torch.randn(8, 32), **nested})
+    with pytest.raises(TypeError, match=r"positional input 1 is a list holding tensors"):
+        fxpar.parallelize(Scaled(), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(8, 32), [torch.ones(8, 64)]))
