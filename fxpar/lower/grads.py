@@ -104,6 +104,17 @@ class StepCollectives:
         self.deferred_axes[self.grad_fqn[pos]] = tuple(st.axis for st in batch)
         return tuple(placed), tuple(st for st in steps if st not in batch)
 
+    def own_zero_shard(self, pos: int, grad: fx.Node) -> fx.Node:
+        """A ZeRO parameter's gradient that is already whole over dp (computed on every rank from gathered values,
+        so no reduction is deferred): this rank keeps its shard, as a reduce-scatter would have left it."""
+        fqn = self.grad_fqn.get(pos)
+        if fqn not in self.zero:
+            return grad
+        d = self.zero[fqn]
+        piece = self.own_piece(grad, d, BATCH_AXIS, None, fqn)
+        return self.emit(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}, module=fqn) \
+            if d else piece
+
     def reduce_grads_graph(self, backward: fx.GraphModule) -> fx.Graph | None:
         """``reduce_grads(g...)``: the deferred dp all-reduces of accumulated gradients, in backward output order."""
         if not self.deferred:

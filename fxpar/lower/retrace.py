@@ -266,17 +266,6 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
             value = self.own_zero_shard(pos, value)
         return value
 
-    def own_zero_shard(self, pos: int, grad: fx.Node) -> fx.Node:
-        """A ZeRO parameter's gradient that is already whole over dp (computed on every rank from gathered values,
-        so no reduction is deferred): this rank keeps its shard, as a reduce-scatter would have left it."""
-        fqn = self.grad_fqn.get(pos)
-        if fqn not in self.zero:
-            return grad
-        d = self.zero[fqn]
-        piece = self.own_piece(grad, d, BATCH_AXIS, None, fqn)
-        return self.emit(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}, module=fqn) \
-            if d else piece
-
 
 
 def stride_order(t: torch.Tensor) -> list[int]:
