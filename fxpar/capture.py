@@ -33,7 +33,7 @@ from fxpar.moe import experts_as_ops
 from fxpar.simplify import bias_after_token_view, bmm_over_heads, drop_identity_batch_index, tokens_unflattened
 from fxpar.source import _clean_module_path, user_source
 from fxpar.split import CONTEXT_AXIS
-from fxpar.stitch import Blocks, Captures, name_as_whole, stitch
+from fxpar.stitch import Blocks, Captures, name_as_whole, stitch, without_onednn
 
 _BLOCKS_FILE = os.path.abspath(_blocks_module.__file__)
 log = logging.getLogger("fxpar.capture")
@@ -156,7 +156,7 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
     """
     with exported.fake_mode:
         try:
-            with ExitStack() as stack:
+            with ExitStack() as stack, without_onednn():
                 joint = aot_export_joint_with_descriptors(stack, module, args)
         except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
             raise CaptureError(_explain_trace_failure(model, e)) from e

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import operator
 import os
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,9 +169,22 @@ def _trace(site: Site, used: tuple[int, ...], fake_mode: Any) -> Representative:
             made.append(t.requires_grad_(requires_grad))
         args = tuple(made)
         ep = torch.export.export(wrapper, args, strict=False)
-        with ExitStack() as stack:
+        with ExitStack() as stack, without_onednn():
             joint = aot_export_joint_with_descriptors(stack, ep.module(), args)
     return _representative(joint.graph_module, site, used, ep.graph_module.graph, len(args))
+
+
+@contextmanager
+def without_onednn() -> Iterator[None]:
+    """oneDNN off while a joint is traced: torch's decomposition of ``nn.LSTM``/``nn.GRU`` picks oneDNN's
+    inference-only RNN kernel whenever the input needs no gradient, even when the weights do, and its backward
+    then fails at run time. (``torch.backends.mkldnn.flags`` would also set TF32 and warn on every call.)"""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def _representative(gm: fx.GraphModule, site: Site, used: tuple[int, ...], forward_graph: fx.Graph,

@@ -1,0 +1,27 @@
+"""Models written as users write them, outside the transformer mould, for ``tests/test_user_models.py``.
+
+Module-level so that spawned gloo ranks can unpickle them; they import nothing from fxpar (they stand for user code).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class StackedLSTM(nn.Module):
+    """Residual ``nn.LSTM`` layers in an ``nn.ModuleList``, then a classifier on the last step's state."""
+
+    def __init__(self, width: int = 8, layers: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.LSTM(width, width, batch_first=True) for _ in range(layers))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)[0]
+        return self.head(x[:, -1])
+
+
+def stacked_lstm() -> StackedLSTM:
+    return StackedLSTM()

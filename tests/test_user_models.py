@@ -1,0 +1,17 @@
+"""Models outside the transformer mould, written as users write them, train like the single device."""
+
+from __future__ import annotations
+
+import torch
+
+import fxpar
+from fxpar.testing import assert_equivalent
+from fxpar.testing.user_models import stacked_lstm
+
+
+def test_stacked_lstm_matches_single_device() -> None:
+    """``nn.LSTM`` at dp=2 with ZeRO-3 (fp32, rtol 1e-5). Capture traces with oneDNN off: torch's decomposition of
+    an LSTM otherwise picks oneDNN's inference-only kernel (the input needs no gradient, the weights do), whose
+    backward failed at run time on an undefined workspace. Four layers: repeated blocks, each its own capture."""
+    x = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(0))
+    assert_equivalent(stacked_lstm, {"dp": 2}, fxpar.Plan(zero=3), (x,), steps=2)
