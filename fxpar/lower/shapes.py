@@ -1,7 +1,8 @@
 """Per-op shape handling when a global op runs on local pieces: shape arguments become local shapes.
 
 ``localize`` is the handler lowering calls for every op: view-like ops and factories get this rank's
-shape (``SHAPE_ARG``), a sharded ``arange`` its own row count (``ARANGES``), a view that is not
+shape (``SHAPE_ARG``), a sharded ``arange`` its own row count (``ARANGES``), GroupNorm its input's local
+sizes (``SIZE_ARGS``), a view that is not
 viewable on the local layout becomes a ``reshape``, and ``squeeze`` names the dims it removes. A view
 whose uneven pieces would not line up on some rank is refused.
 """
@@ -28,6 +29,8 @@ SHAPE_ARG = {
 }
 ARANGES = {aten.arange.default: 0, aten.arange.start: 1, aten.arange.start_step: 1}  # index of ``end``
 SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
+# ops that take their input's sizes as ints: op -> (index of the input, index of N; C and HxW follow it)
+SIZE_ARGS = {aten.native_group_norm.default: (0, 3), aten.native_group_norm_backward.default: (1, 5)}
 VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 
@@ -61,6 +64,10 @@ def localize(node: fx.Node, args: tuple, placements: Any, at: LocalShapes) -> tu
         # a layout that was viewable globally may not be locally (a gathered tensor is laid out
         # as the collective wrote it): the graph is functional, so a copying reshape is exact
         target = aten.reshape.default
+    if target in SIZE_ARGS:  # GroupNorm's N, C, HxW: the local input's (dp shards N)
+        x, n = SIZE_ARGS[target]
+        shape = args[x].meta["val"].shape
+        args = (*args[:n], shape[0], shape[1], math.prod(shape[2:]), *args[n + 3:])
     if target in SQUEEZES:
         shape = node.args[0].meta["val"].shape
         dims = [args[1]] if target is aten.squeeze.dim else (args[1] if len(args) > 1 else range(len(shape)))

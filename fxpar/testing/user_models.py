@@ -25,3 +25,20 @@ class StackedLSTM(nn.Module):
 
 def stacked_lstm() -> StackedLSTM:
     return StackedLSTM()
+
+
+class TemporalConv(nn.Module):
+    """A 1-D convolution over time, GroupNorm, GELU and a mean-pooled classifier."""
+
+    def __init__(self, channels: int = 8, width: int = 16, groups: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(channels, width, 3, padding=1)
+        self.norm = nn.GroupNorm(groups, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(nn.functional.gelu(self.norm(self.conv(x))).mean(-1))
+
+
+def temporal_conv() -> TemporalConv:
+    return TemporalConv()
