@@ -8,6 +8,7 @@ already whole on every rank: under ZeRO each rank keeps its shard of it.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 import fxpar
 from fxpar.testing import assert_equivalent
-from fxpar.testing.loss_models import self_loss_batch, self_loss_lm
+from fxpar.testing.loss_models import regression_loss, self_loss_batch, self_loss_lm
 
 
 def _forward_rows(pm: fxpar.ParallelModule, rank: int = 0) -> list[object]:
@@ -58,3 +59,14 @@ def test_self_loss_model_matches_single_device(zero: int) -> None:
 def test_self_loss_model_uneven_batch_matches_single_device() -> None:
     """dp=2 over a batch of 5: the ranks hold 3 and 2 rows and different counts of ignored targets."""
     assert_equivalent(self_loss_lm, {"dp": 2}, None, self_loss_batch(batch=5), steps=2)
+
+
+@pytest.mark.parametrize("loss", ["mse", "smooth_l1", "huber", "soft_margin"])
+def test_fused_mean_losses_match_single_device(loss: str) -> None:
+    """``mse_loss_backward(..., reduction=mean)`` and its kin divide by the count of the elements they are given:
+    DTensor ran them on batch shards, and every gradient came out dp times too large (a silent wrong answer, found
+    with ``F.mse_loss`` inside a model). Such ops now run on whole inputs (``fxpar.rules.divides_by_local_count``).
+    dp=2 over a batch of 7 (4 and 3 rows), fp32, rtol 1e-5."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 8, generator=g), torch.randn(7, 4, generator=g)
+    assert_equivalent(functools.partial(regression_loss, loss), {"dp": 2}, fxpar.Plan(zero=1), (x, y), steps=2)

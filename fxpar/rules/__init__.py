@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch._ops import OpOverload
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.rules import attention, bmm4, scaled_mm, token_matmul  # noqa: F401  (each registers its rules)
@@ -29,6 +30,24 @@ def candidates(
     op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], current: list[Placement], n: int
 ) -> list[Candidate] | None:
     """Valid strategies for ``op`` with fake global ``args`` on an axis of ``n`` ranks."""
-    if op in FXPAR_RULES:
-        return FXPAR_RULES[op](args, kwargs, n)
-    return dtensor_candidates(op, args, kwargs, current, n)
+    found = FXPAR_RULES[op](args, kwargs, n) if op in FXPAR_RULES else dtensor_candidates(op, args, kwargs, current, n)
+    if found is not None and divides_by_local_count(op, args, kwargs):
+        found = [c for c in found if all(isinstance(p, Replicate) for p in c.inputs)]
+    return found
+
+
+MEAN = 1  # ATen's ``reduction`` value of a mean
+
+
+def divides_by_local_count(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A loss op (or its backward) with ``reduction=mean`` divides by the element count of the tensors it is given:
+    on a shard that is the shard's count, not the whole tensor's, so it runs on whole inputs only. (DTensor offers
+    ``mse_loss_backward`` on batch shards: each rank's gradient came out ``dp`` times too large.) Ops told the count
+    (``total_weight``, ``nll_loss``'s backward) are exact on shards; ``fxpar.global_means`` rewrites the common
+    means into sums, which shard."""
+    names = [a.name for a in op._schema.arguments]
+    if "reduction" not in names or "total_weight" in names:
+        return False
+    i = names.index("reduction")
+    value = kwargs.get("reduction", args[i] if i < len(args) else op._schema.arguments[i].default_value)
+    return value == MEAN

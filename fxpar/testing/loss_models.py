@@ -65,3 +65,23 @@ def self_loss_batch(batch: int = 6, seq: int = 8, vocab: int = 64) -> tuple[torc
     labels[0, :6] = -100
     labels[1, 3:] = -100
     return tokens, labels
+
+
+class RegressionLoss(nn.Module):
+    """``model(x, y) -> loss``: an MLP's prediction against ``y`` under one of torch's fused mean losses, whose
+    backward kernels divide by the count of the elements they are given."""
+
+    def __init__(self, loss: str = "mse") -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 4)
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        pred = self.down(F.gelu(self.up(x)))
+        losses = {"mse": F.mse_loss, "smooth_l1": F.smooth_l1_loss, "huber": F.huber_loss,
+                  "soft_margin": F.soft_margin_loss}
+        return losses[self.loss](pred, y)
+
+
+def regression_loss(loss: str = "mse") -> RegressionLoss:
+    return RegressionLoss(loss)
