@@ -16,6 +16,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxpar.simplify import copy_meta
+
 aten = torch.ops.aten
 MEAN, SUM = 1, 2  # ATen's loss reductions (``torch.nn._reduction``)
 EXACT_DTYPES = {torch.float32, torch.float64}  # where ATen's mean is exactly its sum divided by the count
@@ -75,6 +77,5 @@ def _mean_as_sum(graph: fx.Graph, n: fx.Node) -> None:
 
 def _call(graph: fx.Graph, like: fx.Node, target: object, args: tuple, val: object) -> fx.Node:
     new = graph.call_function(target, args)
-    new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
-    new.meta["val"] = val
+    copy_meta(new, like, val)
     return new

@@ -199,9 +199,9 @@ def bias_after_token_view(gm: fx.GraphModule) -> int:
             continue
         with gm.graph.inserting_before(view):
             new_view = gm.graph.call_function(view.target, (add.args[0], *view.args[1:]), dict(view.kwargs))
-            _copy_meta(new_view, view, val.new_empty(val.shape))
+            copy_meta(new_view, view, val.new_empty(val.shape))
             new_add = gm.graph.call_function(aten.add.Tensor, (new_view, add.args[1]))
-            _copy_meta(new_add, add, val.new_empty(val.shape))
+            copy_meta(new_add, add, val.new_empty(val.shape))
         view.replace_all_uses_with(new_add)
         gm.graph.erase_node(view)
         gm.graph.erase_node(add)
@@ -222,7 +222,7 @@ def _flattened(a: Any) -> fx.Node | None:
     return x
 
 
-def _copy_meta(new: fx.Node, like: fx.Node, val: torch.Tensor) -> None:
+def copy_meta(new: fx.Node, like: fx.Node, val: torch.Tensor) -> None:
     new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
     new.meta["val"] = val
 
@@ -242,10 +242,10 @@ def _forward_mm(graph: fx.Graph, mm: fx.Node) -> int:
     val = views[0].meta["val"]
     with graph.inserting_before(top if bias is None else bias):
         new = graph.call_function(torch.ops.fxpar.matmul_nd.default, (x, mm.args[1]))
-        _copy_meta(new, mm, val.new_empty(val.shape))
+        copy_meta(new, mm, val.new_empty(val.shape))
         if bias is not None:
             new_bias = graph.call_function(aten.add.Tensor, (new, bias.args[1]))
-            _copy_meta(new_bias, bias, val.new_empty(val.shape))
+            copy_meta(new_bias, bias, val.new_empty(val.shape))
             new = new_bias
     for v in views:
         v.replace_all_uses_with(new)
@@ -270,7 +270,7 @@ def _contract_mm(graph: fx.Graph, mm: fx.Node) -> int:
         return 0
     with graph.inserting_before(mm):
         new = graph.call_function(torch.ops.fxpar.token_contract.default, (a, b))
-        _copy_meta(new, mm, mm.meta["val"].new_empty(mm.meta["val"].shape))
+        copy_meta(new, mm, mm.meta["val"].new_empty(mm.meta["val"].shape))
     mm.replace_all_uses_with(new)
     graph.erase_node(mm)
     return 1
@@ -284,10 +284,10 @@ def _token_sum(graph: fx.Graph, s: fx.Node) -> int:
     with graph.inserting_before(s):
         kwargs = {k: v for k, v in s.kwargs.items() if k != "keepdim"}
         new = graph.call_function(aten.sum.dim_IntList, (g, dims, keep), kwargs)
-        _copy_meta(new, s, g.meta["val"].sum(dims, keepdim=keep))
+        copy_meta(new, s, g.meta["val"].sum(dims, keepdim=keep))
         if keep:
             flat = graph.call_function(aten.view.default, (new, list(s.meta["val"].shape)))
-            _copy_meta(flat, s, s.meta["val"].new_empty(s.meta["val"].shape))
+            copy_meta(flat, s, s.meta["val"].new_empty(s.meta["val"].shape))
             new = flat
     s.replace_all_uses_with(new)
     graph.erase_node(s)

@@ -18,6 +18,7 @@ from torch._ops import OpOverload
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
+from fxpar.global_means import MEAN
 from fxpar.rules import attention, bmm4, scaled_mm, token_matmul  # noqa: F401  (each registers its rules)
 from fxpar.rules.dtensor_adapter import dtensor_candidates
 from fxpar.rules.registry import FXPAR_RULES, Candidate, Output, RuleFn, _memoized, register
@@ -34,9 +35,6 @@ def candidates(
     if found is not None and divides_by_local_count(op, args, kwargs):
         found = [c for c in found if all(isinstance(p, Replicate) for p in c.inputs)]
     return found
-
-
-MEAN = 1  # ATen's ``reduction`` value of a mean
 
 
 def divides_by_local_count(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
