@@ -24,6 +24,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fxpar import blocks as _blocks_module
 from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque_blocks, sharing_enabled
+from fxpar.creation_order import recording_names
 from fxpar.errors import CaptureError
 from fxpar.global_means import means_as_sums
 from fxpar.ir import Program, Provenance, Signature
@@ -157,6 +158,8 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
     with exported.fake_mode:
         try:
             with ExitStack() as stack, without_onednn():
+                if exported.blocks is not None:  # stitching takes the names the trace dropped where it made them
+                    stack.enter_context(recording_names())
                 joint = aot_export_joint_with_descriptors(stack, module, args)
         except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
             raise CaptureError(_explain_trace_failure(model, e)) from e

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name
+from fxpar.creation_order import dead_names_before, recording_names
 from fxpar.ir import Provenance, graph_module
 from fxpar.source import _clean_module_path, user_source
 
@@ -65,6 +66,10 @@ class Representative:
     provenance: dict[fx.Node, Provenance]  # module relative to the block ("", ".mlp.up"; None: none), source, phase
     forward_graph: fx.Graph  # the exported forward (pipeline stage costs)
     n_user_inputs: int
+    # names the block's trace dropped (``fxpar.creation_order``): before each copied node, and after the last
+    # forward and backward node (a dropped name between the two is taken with the forward)
+    dead_before: dict[str, list[str]]
+    dead_after: tuple[list[str], list[str]]
 
     @property
     def read_inputs(self) -> set[int]:
@@ -169,7 +174,7 @@ def _trace(site: Site, used: tuple[int, ...], fake_mode: Any) -> Representative:
             made.append(t.requires_grad_(requires_grad))
         args = tuple(made)
         ep = torch.export.export(wrapper, args, strict=False)
-        with ExitStack() as stack, without_onednn():
+        with ExitStack() as stack, without_onednn(), recording_names():
             joint = aot_export_joint_with_descriptors(stack, ep.module(), args)
     return _representative(joint.graph_module, site, used, ep.graph_module.graph, len(args))
 
@@ -225,8 +230,13 @@ def _representative(gm: fx.GraphModule, site: Site, used: tuple[int, ...], forwa
     if body != forward + backward:
         raise NotShared("a block's joint graph interleaves forward and backward nodes")
     provenance = {n: _relative_provenance(n) for n in body}
+    dead_before, trailing = dead_names_before(gm.graph)
+    forward_tail = dead_before.pop(backward[0].name, []) if backward else []
+    backward_tail = dead_before.pop(out.name, []) + trailing
+    if not backward:
+        forward_tail, backward_tail = backward_tail, []
     return Representative(gm, inputs, tangents, forward, backward, outputs, grads, provenance, forward_graph,
-                          n_inputs)
+                          n_inputs, dead_before, (forward_tail, backward_tail))
 
 
 def _relative_provenance(n: fx.Node) -> Provenance:
@@ -248,7 +258,9 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
     calls: dict[int, tuple[dict[fx.Node, fx.Node], Site, str, Names]] = {}
     outer = Names(g)
     dead = _dead_without_blocks(gm.graph, blocks)
+    dropped, dropped_last = dead_names_before(gm.graph)  # names the trace made for nodes it then dropped
     for n in gm.graph.nodes:
+        outer.take_dropped(dropped.get(n.name, ()))
         if n in dead:  # read only by a block that ignores it: the whole-model trace made it, then dropped it
             g._graph_namespace.create_name(outer.take(n.name), None)
         elif n.op == "placeholder":
@@ -264,7 +276,7 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
                 renv[ph] = env[tensors[i]]
             site = blocks.table.sites[site_id]
             calls[site_id] = (renv, site, outer_source(n), Names(g))
-            _copy_all(g, rep.forward, renv, rep, site.path, *calls[site_id][2:])
+            _copy_all(g, rep.forward, renv, rep, site.path, *calls[site_id][2:], rep.dead_after[0])
             env[n] = {k: renv[v] for k, v in rep.outputs.items()}
         elif n.target is _BLOCK_BACKWARD:
             site_id, _, grad_outputs, grads, grad_inputs = n.args
@@ -274,7 +286,7 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
                 raise NotShared(f"{site.path}: the gradients the model passes differ from the block's own")
             for ph, k in rep.tangents.items():
                 renv[ph] = env[grads[list(grad_outputs).index(k)]]
-            _copy_all(g, rep.backward, renv, rep, site.path, source, names)
+            _copy_all(g, rep.backward, renv, rep, site.path, source, names, rep.dead_after[1])
             env[n] = {j: renv[rep.grads[i]] for j, i in enumerate(grad_inputs)}
         elif n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target in BLOCK_OPS:
             env[n] = env[n.args[0]][n.args[1]]
@@ -283,6 +295,7 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
             env[n] = g.create_node(n.op, n.target, fx.map_arg(n.args, lambda a: env[a]),
                                    fx.map_arg(n.kwargs, lambda a: env[a]), name=outer.take(n.name), type_expr=n.type)
             env[n].meta = dict(n.meta)
+    outer.take_dropped(dropped_last)
     return graph_module(gm, g)
 
 
@@ -332,6 +345,11 @@ class Names:
         self.last[base] = k
         return base
 
+    def take_dropped(self, names: Any) -> None:
+        """Take the names of nodes the source's trace made and dropped here (``fxpar.creation_order``)."""
+        for name in names:
+            self.ns.create_name(self.take(name), None)
+
     def skip(self, name: str) -> None:
         """Source node ``name`` is not copied, and no whole-model trace has it (a block call's output)."""
         base, k = split_name(name)
@@ -347,8 +365,9 @@ def split_name(name: str) -> tuple[str, int]:
 
 
 def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], rep: Representative, path: str,
-              source: str, names: Names) -> None:
+              source: str, names: Names, dropped_after: list[str]) -> None:
     for r in nodes:
+        names.take_dropped(rep.dead_before.get(r.name, ()))
         new = g.create_node("call_function", r.target, fx.map_arg(r.args, renv.__getitem__),
                             fx.map_arg(r.kwargs, renv.__getitem__), name=names.take(r.name), type_expr=r.type)
         meta = {k: v for k, v in r.meta.items() if k not in _STACK_KEYS}
@@ -358,3 +377,4 @@ def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], r
         meta[TEMPLATE] = (id(rep), r.name)
         new.meta = meta
         renv[r] = new
+    names.take_dropped(dropped_after)

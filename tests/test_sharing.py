@@ -257,3 +257,21 @@ def _same_meta(a: object, b: object) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b, strict=True))
     return a == b or (type(a) is type(b) and str(a) == str(b))  # e.g. two objects for one OpOverload
+
+
+@pytest.mark.parametrize("family", ["olmo", "qwen2_moe"])
+def test_names_a_trace_dropped_are_taken_where_it_made_them(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-model trace numbers nodes it then drops as dead code: HF's mask code builds an ``expand`` and an
+    ``arange`` nothing reads before the first layer, OLMo's weightless final norm names its backward's unused
+    outputs before the last layer's backward. Stitching takes each dropped name where the trace made it (before
+    the block's copy, not after it), so every node after it is numbered as in the whole-model capture."""
+    from fxpar.models import hf_families_wide
+
+    build = hf_families_wide.BUILDERS.get(family) or hf_families.builder(family)
+    texts = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(build, {"dp": 2}, hf_families.inputs("llama"))
+            assert pm._compiled.stages[0].notes["captures"].whole is not on
+            texts[on] = pm.program(1)
+    assert texts[True] == texts[False]

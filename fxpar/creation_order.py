@@ -1,0 +1,56 @@
+"""The order in which a trace created its nodes' names, dead code included.
+
+A whole-model trace numbers ``getitem``, ``getitem_1``, ... in the order it creates nodes, and keeps the names of
+nodes it then drops as dead code (a norm without weights gives its backward's unused outputs names, a causal mask
+builds an ``expand`` nothing reads). ``fxpar.stitch`` rebuilds that numbering from traces of parts of the model, so
+it must take each dropped name where the trace made it: before a block's call, not at the next node of the same
+base after it. ``recording_names`` keeps, on each graph's namespace, the names it handed out, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.fx as fx
+from torch.fx.graph import _Namespace
+
+_RECORD = "_fxpar_created"
+
+
+@contextmanager
+def recording_names() -> Iterator[None]:
+    """Inside, every graph namespace lists the names it creates (``created_names``)."""
+    original = _Namespace.create_name
+
+    def create_name(self: _Namespace, candidate: str, obj: Any | None) -> str:
+        name = original(self, candidate, obj)
+        self.__dict__.setdefault(_RECORD, []).append(name)
+        return name
+
+    _Namespace.create_name = create_name  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _Namespace.create_name = original  # type: ignore[method-assign]
+
+
+def created_names(graph: fx.Graph) -> list[str]:
+    """The names ``graph``'s namespace created while ``recording_names`` was on, in order (empty if it was off)."""
+    return list(graph._graph_namespace.__dict__.get(_RECORD, ()))
+
+
+def dead_names_before(graph: fx.Graph) -> tuple[dict[str, list[str]], list[str]]:
+    """For each live node's name, the dropped names created after the previous live node and before it; and the
+    dropped names created after the last live node."""
+    live = {n.name for n in graph.nodes}
+    before: dict[str, list[str]] = {}
+    pending: list[str] = []
+    for name in created_names(graph):
+        if name in live:
+            if pending:
+                before[name], pending = pending, []
+        else:
+            pending.append(name)
+    return before, pending
