@@ -28,6 +28,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name
 from fxpar.creation_order import dead_names_before, recording_names
+from fxpar.grad_accumulation import absorbed, accumulation_chains
 from fxpar.ir import Provenance, graph_module
 from fxpar.source import _clean_module_path, user_source
 
@@ -70,6 +71,7 @@ class Representative:
     # forward and backward node (a dropped name between the two is taken with the forward)
     dead_before: dict[str, list[str]]
     dead_after: tuple[list[str], list[str]]
+    sums: dict[int, fx.Node]  # op input -> the first add of the block's own sum of its gradient (grad_accumulation)
 
     @property
     def read_inputs(self) -> set[int]:
@@ -236,7 +238,7 @@ def _representative(gm: fx.GraphModule, site: Site, used: tuple[int, ...], forwa
     if not backward:
         forward_tail, backward_tail = backward_tail, []
     return Representative(gm, inputs, tangents, forward, backward, outputs, grads, provenance, forward_graph,
-                          n_inputs, dead_before, (forward_tail, backward_tail))
+                          n_inputs, dead_before, (forward_tail, backward_tail), accumulation_chains(inputs, grads))
 
 
 def _relative_provenance(n: fx.Node) -> Provenance:
@@ -259,9 +261,13 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
     outer = Names(g)
     dead = _dead_without_blocks(gm.graph, blocks)
     dropped, dropped_last = dead_names_before(gm.graph)  # names the trace made for nodes it then dropped
+    merged: dict[fx.Node, fx.Node] = {}  # the model's gradient adds a block's own sum starts from instead
     for n in gm.graph.nodes:
         outer.take_dropped(dropped.get(n.name, ()))
-        if n in dead:  # read only by a block that ignores it: the whole-model trace made it, then dropped it
+        if n in merged:  # its sum is the block's, started from this add's accumulator (fxpar.grad_accumulation)
+            env[n] = env[n.args[1]]
+            outer.skip(n.name)
+        elif n in dead:  # read only by a block that ignores it: the whole-model trace made it, then dropped it
             g._graph_namespace.create_name(outer.take(n.name), None)
         elif n.op == "placeholder":
             env[n] = g.placeholder(n.name, type_expr=n.type)
@@ -286,7 +292,10 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
                 raise NotShared(f"{site.path}: the gradients the model passes differ from the block's own")
             for ph, k in rep.tangents.items():
                 renv[ph] = env[grads[list(grad_outputs).index(k)]]
-            _copy_all(g, rep.backward, renv, rep, site.path, source, names, rep.dead_after[1])
+            starts = absorbed(n, rep.sums, env)
+            merged.update(starts)
+            onto = {first: env[add.args[0]] for add, first in starts.items()}
+            _copy_all(g, rep.backward, renv, rep, site.path, source, names, rep.dead_after[1], onto)
             env[n] = {j: renv[rep.grads[i]] for j, i in enumerate(grad_inputs)}
         elif n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target in BLOCK_OPS:
             env[n] = env[n.args[0]][n.args[1]]
@@ -365,16 +374,42 @@ def split_name(name: str) -> tuple[str, int]:
 
 
 def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], rep: Representative, path: str,
-              source: str, names: Names, dropped_after: list[str]) -> None:
+              source: str, names: Names, dropped_after: list[str], onto: dict[fx.Node, fx.Node] | None = None) -> None:
+    """Copy ``nodes`` of ``rep`` into ``g``. ``onto``: the first add of a gradient sum -> the accumulator it starts
+    from (``fxpar.grad_accumulation``): its first contribution is added onto it as soon as it is computed."""
+    onto = onto or {}
+    copied = set(nodes)
+    after = {first.args[0]: first for first in onto if first.args[0] in copied}
+    started: dict[fx.Node, fx.Node] = {}
+    for first in onto.keys() - set(after.values()):  # the first contribution comes from outside the copy
+        started[first] = _start_sum(g, onto[first], renv[first.args[0]], first, rep, path, source)
     for r in nodes:
         names.take_dropped(rep.dead_before.get(r.name, ()))
-        new = g.create_node("call_function", r.target, fx.map_arg(r.args, renv.__getitem__),
-                            fx.map_arg(r.kwargs, renv.__getitem__), name=names.take(r.name), type_expr=r.type)
-        meta = {k: v for k, v in r.meta.items() if k not in _STACK_KEYS}
-        rel = rep.provenance[r]
-        module = "" if rel.module is None else path + rel.module
-        meta["fxpar_provenance"] = Provenance(module, rel.source or source, rel.phase)
-        meta[TEMPLATE] = (id(rep), r.name)
-        new.meta = meta
+        args = fx.map_arg(r.args, renv.__getitem__)
+        if r in started:
+            args = (started[r], *args[1:])
+        new = g.create_node("call_function", r.target, args, fx.map_arg(r.kwargs, renv.__getitem__),
+                            name=names.take(r.name), type_expr=r.type)
+        new.meta = _copied_meta(r, rep, path, source)
+        new.meta[TEMPLATE] = (id(rep), r.name)
         renv[r] = new
+        if r in after:
+            first = after[r]
+            started[first] = _start_sum(g, onto[first], new, first, rep, path, source)
     names.take_dropped(dropped_after)
+
+
+def _start_sum(g: fx.Graph, acc: fx.Node, contribution: fx.Node, first: fx.Node, rep: Representative, path: str,
+               source: str) -> fx.Node:
+    """``acc + contribution``: where the whole-model trace starts the block's gradient sum."""
+    node = g.create_node("call_function", first.target, (acc, contribution), name="add", type_expr=first.type)
+    node.meta = _copied_meta(first, rep, path, source)
+    return node
+
+
+def _copied_meta(r: fx.Node, rep: Representative, path: str, source: str) -> dict[str, Any]:
+    meta = {k: v for k, v in r.meta.items() if k not in _STACK_KEYS}
+    rel = rep.provenance[r]
+    module = "" if rel.module is None else path + rel.module
+    meta["fxpar_provenance"] = Provenance(module, rel.source or source, rel.phase)
+    return meta

@@ -275,3 +275,17 @@ def test_names_a_trace_dropped_are_taken_where_it_made_them(family: str, monkeyp
             assert pm._compiled.stages[0].notes["captures"].whole is not on
             texts[on] = pm.program(1)
     assert texts[True] == texts[False]
+
+
+def test_a_block_sums_outside_gradients_in_the_whole_model_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BART's decoder layers read the encoder's output twice (cross-attention keys and values) and its gradient
+    already holds the next layer's: the whole-model trace adds each contribution onto that running sum, where
+    the block traced alone sums its own two first. Stitching starts the block's sum from the running one
+    (``fxpar.grad_accumulation``), so the program, and the rounding of every gradient, is the whole-model one."""
+    texts = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(hf_families.bart, {"dp": 2}, hf_families.inputs("bart"))
+            assert pm._compiled.stages[0].notes["captures"].whole is not on
+            texts[on] = pm.program(1)
+    assert texts[True] == texts[False]

@@ -1,0 +1,64 @@
+"""Gradients summed across a block's boundary, in the order a whole-model trace sums them.
+
+autograd sums the gradient contributions of a tensor in the order they arrive, each onto the running sum:
+``((acc + c1) + c2)``. When a block reads an outside tensor twice (a decoder layer's cross-attention reads the
+encoder's output for its keys and for its values) and that tensor already holds a gradient from outside (the
+next layer's, or the next pipeline stage's), the whole-model trace adds ``c1`` and then ``c2`` onto it. The
+block traced alone sums its own two first (``c1 + c2``), and the model's graph adds that sum on: the same value
+up to rounding, in another order, printed differently. ``fxpar.stitch`` rebuilds the whole-model order: it
+starts the block's sum from the outside accumulator and drops the model's add (``absorbed``).
+
+A block's accumulation for input ``x`` is the chain of ``is_gradient_acc`` adds ending at ``x``'s gradient,
+at most one fewer than ``x``'s uses in the block's forward (an add further down sums another tensor's
+contributions, and stays as it is).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+_ADD = torch.ops.aten.add.Tensor
+
+
+def is_accumulation(n: Any) -> bool:
+    """An add autograd made to sum two gradient contributions of one tensor (AOTAutograd marks it)."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is _ADD and \
+        bool(n.meta.get("is_gradient_acc"))
+
+
+def accumulation_chains(inputs: Mapping[fx.Node, int], grads: Mapping[int, fx.Node]) -> dict[int, fx.Node]:
+    """For each block input whose gradient the block sums from several of its own contributions: the first add
+    of that sum (``c1 + c2``), by the input's index."""
+    placeholder_of = {i: ph for ph, i in inputs.items()}
+    first: dict[int, fx.Node] = {}
+    for i, grad in grads.items():
+        ph = placeholder_of.get(i)
+        if ph is None:
+            continue
+        uses = sum(1 for u in ph.users if u.meta.get("partitioner_tag") != "is_backward")
+        node, depth = grad, 0
+        while depth < uses - 1 and is_accumulation(node) and (node is grad or len(node.users) == 1):
+            first[i], node, depth = node, node.args[0], depth + 1
+    return first
+
+
+def absorbed(call: fx.Node, chains: Mapping[int, fx.Node], env: Mapping[fx.Node, Any]) -> dict[fx.Node, fx.Node]:
+    """The model's accumulation adds onto ``call``'s gradients (a ``fxpar::block_backward`` node) that the block's
+    own sum should start from instead: {the model's add: the first add of the block's sum}. Only an add of an
+    accumulator already computed (``env``) onto the block's gradient as the new contribution qualifies."""
+    grad_inputs = call.args[4]
+    out: dict[fx.Node, fx.Node] = {}
+    for item in call.users:
+        if item.target is not operator.getitem or len(item.users) != 1:
+            continue
+        add = next(iter(item.users))
+        first = chains.get(grad_inputs[item.args[1]])
+        if first is not None and is_accumulation(add) and add.args[1] is item and add.args[0] is not item and \
+                add.args[0] in env:
+            out[add] = first
+    return out
