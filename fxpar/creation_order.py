@@ -9,12 +9,15 @@ base after it. ``recording_names`` keeps, on each graph's namespace, the names i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import operator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch.fx as fx
 from torch.fx.graph import _Namespace
+
+from fxpar.blocks import base_name
 
 _RECORD = "_fxpar_created"
 
@@ -41,16 +44,27 @@ def created_names(graph: fx.Graph) -> list[str]:
     return list(graph._graph_namespace.__dict__.get(_RECORD, ()))
 
 
-def dead_names_before(graph: fx.Graph) -> tuple[dict[str, list[str]], list[str]]:
-    """For each live node's name, the dropped names created after the previous live node and before it; and the
-    dropped names created after the last live node."""
-    live = {n.name for n in graph.nodes}
+def dead_names_before(graph: fx.Graph, opaque: Callable[[fx.Node], bool] = lambda n: False
+                      ) -> tuple[dict[str, list[str]], list[str], set[str]]:
+    """For each live node's name, the dropped names created after the previous live node and before it; the
+    dropped names created after the last live node; and the dropped ``getitem`` names of ``opaque`` nodes' outputs
+    (a whole-model trace has no such node: the op stands for nodes whose outputs have their own names)."""
+    live = {n.name: n for n in graph.nodes}
     before: dict[str, list[str]] = {}
     pending: list[str] = []
+    unpacked: set[str] = set()
+    unpacking = False  # the last node made was an opaque op or one of its outputs
     for name in created_names(graph):
-        if name in live:
+        node = live.get(name)
+        if node is not None:
             if pending:
                 before[name], pending = pending, []
+            unpacking = opaque(node) or (node.target is operator.getitem and isinstance(node.args[0], fx.Node) and
+                                         opaque(node.args[0]))
         else:
             pending.append(name)
-    return before, pending
+            if unpacking and base_name(name) == "getitem":
+                unpacked.add(name)
+            else:
+                unpacking = False
+    return before, pending, unpacked

@@ -232,7 +232,7 @@ def _representative(gm: fx.GraphModule, site: Site, used: tuple[int, ...], forwa
     if body != forward + backward:
         raise NotShared("a block's joint graph interleaves forward and backward nodes")
     provenance = {n: _relative_provenance(n) for n in body}
-    dead_before, trailing = dead_names_before(gm.graph)
+    dead_before, trailing, _ = dead_names_before(gm.graph)
     forward_tail = dead_before.pop(backward[0].name, []) if backward else []
     backward_tail = dead_before.pop(out.name, []) + trailing
     if not backward:
@@ -260,10 +260,11 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
     calls: dict[int, tuple[dict[fx.Node, fx.Node], Site, str, Names]] = {}
     outer = Names(g)
     dead = _dead_without_blocks(gm.graph, blocks)
-    dropped, dropped_last = dead_names_before(gm.graph)  # names the trace made for nodes it then dropped
+    # names the trace made for nodes it then dropped; a block call's unused outputs have none in a whole-model trace
+    dropped, dropped_last, unpacked = dead_names_before(gm.graph, lambda n: n.target in BLOCK_OPS)
     merged: dict[fx.Node, fx.Node] = {}  # the model's gradient adds a block's own sum starts from instead
     for n in gm.graph.nodes:
-        outer.take_dropped(dropped.get(n.name, ()))
+        outer.take_dropped(dropped.get(n.name, ()), unpacked)
         if n in merged:  # its sum is the block's, started from this add's accumulator (fxpar.grad_accumulation)
             env[n] = env[n.args[1]]
             outer.skip(n.name)
@@ -304,7 +305,7 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
             env[n] = g.create_node(n.op, n.target, fx.map_arg(n.args, lambda a: env[a]),
                                    fx.map_arg(n.kwargs, lambda a: env[a]), name=outer.take(n.name), type_expr=n.type)
             env[n].meta = dict(n.meta)
-    outer.take_dropped(dropped_last)
+    outer.take_dropped(dropped_last, unpacked)
     return graph_module(gm, g)
 
 
@@ -354,10 +355,14 @@ class Names:
         self.last[base] = k
         return base
 
-    def take_dropped(self, names: Any) -> None:
-        """Take the names of nodes the source's trace made and dropped here (``fxpar.creation_order``)."""
+    def take_dropped(self, names: Any, unpacked: set[str] | frozenset[str] = frozenset()) -> None:
+        """Take the names of nodes the source's trace made and dropped here (``fxpar.creation_order``); names in
+        ``unpacked`` are skipped (outputs of a block call: a whole-model trace names the block's own nodes)."""
         for name in names:
-            self.ns.create_name(self.take(name), None)
+            if name in unpacked:
+                self.skip(name)
+            else:
+                self.ns.create_name(self.take(name), None)
 
     def skip(self, name: str) -> None:
         """Source node ``name`` is not copied, and no whole-model trace has it (a block call's output)."""

@@ -259,12 +259,14 @@ def _same_meta(a: object, b: object) -> bool:
     return a == b or (type(a) is type(b) and str(a) == str(b))  # e.g. two objects for one OpOverload
 
 
-@pytest.mark.parametrize("family", ["olmo", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["olmo", "qwen2_moe", "bloom"])
 def test_names_a_trace_dropped_are_taken_where_it_made_them(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole-model trace numbers nodes it then drops as dead code: HF's mask code builds an ``expand`` and an
     ``arange`` nothing reads before the first layer, OLMo's weightless final norm names its backward's unused
     outputs before the last layer's backward. Stitching takes each dropped name where the trace made it (before
-    the block's copy, not after it), so every node after it is numbered as in the whole-model capture."""
+    the block's copy, not after it), so every node after it is numbered as in the whole-model capture. A block
+    call's unused outputs (BLOOM's layers return one the model drops) are not taken: the whole-model trace has
+    no such node."""
     from fxpar.models import hf_families_wide
 
     build = hf_families_wide.BUILDERS.get(family) or hf_families.builder(family)
