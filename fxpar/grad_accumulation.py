@@ -38,7 +38,7 @@ def accumulation_chains(inputs: Mapping[fx.Node, int], grads: Mapping[int, fx.No
     first: dict[int, fx.Node] = {}
     for i, grad in grads.items():
         ph = placeholder_of.get(i)
-        if ph is None:
+        if ph is None or any(u.op != "output" for u in grad.users):  # the sum is read inside: it stays the block's
             continue
         uses = sum(1 for u in ph.users if u.meta.get("partitioner_tag") != "is_backward")
         node, depth = grad, 0
