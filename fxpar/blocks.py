@@ -135,7 +135,7 @@ class Site:
     buffers: tuple[str, ...]
     out_spec: Any
     out_constants: tuple[Any, ...]  # the flat output leaves, TENSOR where a tensor goes
-    templates: tuple[tuple[Any, ...], ...]  # shape, stride, dtype, requires_grad, first index of each tensor input
+    templates: tuple[tuple[Any, ...], ...]  # shape, stride, dtype, requires_grad, first index, offset, device
     key: tuple[Any, ...]
 
 
@@ -347,7 +347,7 @@ def _value_key(v: Any) -> Any:
 def _tensor_keys(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
     first: dict[int, int] = {}
     return tuple((tuple(t.shape), t.stride(), t.dtype, t.requires_grad, first.setdefault(id(t), i),
-                  t.storage_offset()) for i, t in enumerate(tensors))
+                  t.storage_offset(), t.device) for i, t in enumerate(tensors))
 
 
 @contextmanager

@@ -168,11 +168,11 @@ def _trace(site: Site, used: tuple[int, ...], fake_mode: Any) -> Representative:
     wrapper = _BlockCall(site, used)
     with fake_mode:
         made: list[torch.Tensor] = []
-        for i, (shape, stride, dtype, requires_grad, first, _) in enumerate(site.templates):
+        for i, (shape, stride, dtype, requires_grad, first, _, device) in enumerate(site.templates):
             if first != i:
                 made.append(made[first])
                 continue
-            t = torch.empty_strided(shape, stride, dtype=dtype)
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
             made.append(t.requires_grad_(requires_grad))
         args = tuple(made)
         ep = torch.export.export(wrapper, args, strict=False)

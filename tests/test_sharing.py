@@ -291,3 +291,28 @@ def test_a_block_sums_outside_gradients_in_the_whole_model_order(monkeypatch: py
             assert pm._compiled.stages[0].notes["captures"].whole is not on
             texts[on] = pm.program(1)
     assert texts[True] == texts[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA mesh is traced on CUDA's kernels: needs a GPU")
+@pytest.mark.parametrize(("family", "plan"), [("llama", None), ("qwen2", fxpar.Plan(tp="hf", sequence_parallel=True)),
+                                              ("qwen2", fxpar.Plan(param_dtype=torch.bfloat16))])
+def test_blocks_are_shared_on_a_cuda_mesh(family: str, plan: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CUDA mesh a block is traced on CUDA tensors like the rest of the model (its inputs were once made on the
+    CPU, so every CUDA mesh fell back to the whole-model capture), and the programs equal the whole capture's."""
+    axes = {"dp": 2, "tp": 2} if plan is not None and plan.tp else {"dp": 2}
+
+    def compiled() -> fxpar.ParallelModule:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fxpar.FxparWarning)
+            return fxpar.parallelize(hf_families.builder(family)(), fxpar.Mesh(axes, device="cuda", fake=True),
+                                     hf_families.inputs(family), plan=plan)
+
+    with sharing(True, monkeypatch):
+        on = compiled()
+    assert not on._compiled.stages[0].notes["captures"].whole, on._compiled.stages[0].notes["captures"]
+    with sharing(False, monkeypatch):
+        off = compiled()
+    for rank in (0, on._compiled.mesh.size - 1):
+        assert on.program(rank) == off.program(rank)
+        assert on.ledger_table(rank) == off.ledger_table(rank)
