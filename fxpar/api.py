@@ -38,6 +38,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     inspect any rank, also on a fake mesh; ``fxpar.verify(pm)`` has passed
     (``pm.proof`` says what it checked).
     """
+    check_device(mesh)
     rank = None
     if not mesh.fake:
         mesh.device_mesh()  # validates the world size before any work
@@ -60,6 +61,18 @@ def compile_program(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[An
     ``ParallelModule(compiled, model, rank, loss_fn)`` then builds a rank's module from it.
     Ensures: ``compiled.timings`` holds seconds per stage of compilation (capture and each pass).
     """
+    check_device(mesh)
     with one_call(model):
         plan = resolve_plan_arg(plan, model, mesh, example_inputs, None, loss_fn, none_means_auto=False)
         return compile_model(model, mesh, example_inputs, plan, loss_fn)
+
+
+def check_device(mesh: Mesh) -> None:
+    """A CUDA mesh, fake or real, is traced on CUDA's own kernels (attention, grouped matmuls): torch must see a GPU.
+    Without one, tracing would abort the whole process inside torch."""
+    if mesh.device == "cuda" and not torch.cuda.is_available():
+        build = "this torch is a CPU-only build" if not torch.backends.cuda.is_built() else "no GPU is visible"
+        raise ValueError(f"Mesh(..., device='cuda') needs a CUDA GPU that torch can see ({build}): a CUDA mesh is "
+                         "traced on CUDA's own kernels. To inspect a CUDA plan on this machine, compile it on "
+                         "Mesh(..., device='cpu', fake=True): the programs differ only in those kernels "
+                         "(e.g. the attention op).")

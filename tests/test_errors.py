@@ -67,6 +67,13 @@ def test_mesh_size_differs_from_world_size() -> None:
         assert re.search(r"\b4 ranks\b", msg) and re.search(r"world size is 2\b", msg), msg
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_mesh_without_a_gpu_is_a_clear_error() -> None:
+    # tracing CUDA kernels without a GPU used to abort the process inside torch (c10::Error, no Python traceback)
+    with pytest.raises(ValueError, match=r"device='cuda'\) needs a CUDA GPU .*device='cpu', fake=True"):
+        fxpar.parallelize(mlp(), fxpar.Mesh({"dp": 2}, device="cuda", fake=True), (torch.randn(8, 32),))
+
+
 # 3. divisibility -----------------------------------------------------------------------------------
 
 
