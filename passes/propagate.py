@@ -318,10 +318,12 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
     whole = context.penalty(fallback, node) if context is not None else 0.0
     best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like) + replica + whole, 1, 0)
     for i, cand in enumerate(found or []):
-        usable = _disjoint(cand, taken) and _plain(cand)
+        usable = _fits(node, cand, len(cur)) and _disjoint(cand, taken) and _plain(cand)
         if usable and context is not None:
             usable = context.allowed(cand, tensor_args, node)
-        cost = _cost(node, cand, tensor_args, cur, n, param_like) if usable else NO_CANDIDATE
+        if not usable:
+            continue
+        cost = _cost(node, cand, tensor_args, cur, n, param_like)
         cost += replica if cand.output != SEQUENCE else 0.0
         cost += _final_reduction(node, cand, placed_on) if placed_on is not None and cost < NO_CANDIDATE else 0.0
         cost += context.penalty(cand, node) if context is not None else 0.0
@@ -349,6 +351,25 @@ def _stream_shaped(arg: fx.Node, node: fx.Node) -> bool:
     """``arg`` is a ``[batch, seq, hidden]`` tensor with the same batch and sequence sizes as ``node``'s output."""
     a, out = tensor_val(arg), node.meta.get("val")
     return a is not None and isinstance(out, torch.Tensor) and a.ndim == 3 == out.ndim and a.shape[:2] == out.shape[:2]
+
+
+def _fits(node: fx.Node, cand: Candidate, n_inputs: int) -> bool:
+    """Whether a rule's candidate has ``node``'s structure: one placement per tensor input and, for an op with several
+    outputs, one per output. A rule that answers in another shape (seen on torch 2.11's CUDA path: a strategy
+    with fewer input specs than ``aten._grouped_mm`` has tensors, or one output spec for an op returning a tuple)
+    cannot be read safely: it is ignored, with a warning naming the op, and the node runs as another candidate
+    (at worst replicated)."""
+    val = node.meta.get("val")
+    fits = len(cand.inputs) == n_inputs
+    if isinstance(val, (tuple, list)):
+        fits = fits and isinstance(cand.output, tuple) and len(cand.output) == len(val)
+    if not fits:
+        outs = len(cand.output) if isinstance(cand.output, tuple) else 1
+        warnings.warn(f"fxpar: a sharding rule for {node.target} answered with {len(cand.inputs)} input and {outs} "
+                      f"output placements where the op has {n_inputs} tensor inputs and "
+                      f"{len(val) if isinstance(val, (tuple, list)) else 1} outputs; that strategy is ignored",
+                      FxparWarning, stacklevel=2)
+    return fits
 
 
 def _plain(cand: Candidate) -> bool:

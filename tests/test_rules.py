@@ -222,3 +222,33 @@ def test_bmm4_candidates_hold_on_real_shards() -> None:
     assert {c.output for c in found} >= {Shard(0), Shard(1), Shard(2), Shard(3), Partial()}
     for cand in found:
         check_candidate(op, args, {}, cand, 2)
+
+
+def test_a_rule_answering_in_another_shape_is_ignored_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.11's DTensor answered a CUDA op with fewer input specs than it has tensors, and a tuple-returning op
+    # with one output spec: propagation crashed (zip / "'Shard' object is not subscriptable"). Such a strategy
+    # is ignored and the node takes another candidate.
+    import warnings
+
+    import fxpar
+    from fxpar.rules import registry
+    from fxpar.rules.registry import Candidate
+
+    def short(args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[Candidate]:
+        return [Candidate((Shard(0),), Shard(0))]  # one input placement: mm has two tensors
+
+    def single(args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[Candidate]:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return [Candidate(tuple(Shard(0) for _ in tensors), Shard(0))]  # layer norm returns three tensors
+
+    monkeypatch.setattr(registry, "_CACHE", {})
+    monkeypatch.setitem(FXPAR_RULES, aten.mm.default, short)
+    monkeypatch.setitem(FXPAR_RULES, aten.native_layer_norm.default, single)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 24, bias=False), torch.nn.LayerNorm(24))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(8, 24),))
+    said = " ".join(str(w.message) for w in caught)
+    assert "aten.mm.default answered with 1 input and 1 output placements where the op has 2 tensor inputs" in said
+    assert "aten.native_layer_norm.default answered with 3 input and 1 output placements" in said
+    assert "all_gather" in pm.program(0)  # the batch is gathered for the replicated nodes, as for an unknown op
