@@ -355,10 +355,10 @@ def _stream_shaped(arg: fx.Node, node: fx.Node) -> bool:
 
 def _fits(node: fx.Node, cand: Candidate, n_inputs: int) -> bool:
     """Whether a rule's candidate has ``node``'s structure: one placement per tensor input and, for an op with several
-    outputs, one per output. A rule that answers in another shape (seen on torch 2.11's CUDA path: a strategy
-    with fewer input specs than ``aten._grouped_mm`` has tensors, or one output spec for an op returning a tuple)
-    cannot be read safely: it is ignored, with a warning naming the op, and the node runs as another candidate
-    (at worst replicated)."""
+    outputs, one per output. A rule that answers in another shape (seen with torch 2.11's DTensor, on a GPU image
+    outside fxpar's pinned torch: one input spec for ``aten.index.Tensor``'s two tensors, one output spec for
+    ``aten.native_layer_norm``'s three outputs) cannot be read safely: it is ignored, with a warning naming the
+    op, and the node runs as another candidate (at worst replicated)."""
     val = node.meta.get("val")
     fits = len(cand.inputs) == n_inputs
     if isinstance(val, (tuple, list)):

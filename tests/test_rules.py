@@ -225,9 +225,9 @@ def test_bmm4_candidates_hold_on_real_shards() -> None:
 
 
 def test_a_rule_answering_in_another_shape_is_ignored_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    # torch 2.11's DTensor answered a CUDA op with fewer input specs than it has tensors, and a tuple-returning op
-    # with one output spec: propagation crashed (zip / "'Shard' object is not subscriptable"). Such a strategy
-    # is ignored and the node takes another candidate.
+    # torch 2.11's DTensor (a GPU image's) answered aten.index.Tensor with one input spec for two tensors, and
+    # aten.native_layer_norm with one output spec for three outputs: propagation crashed (zip / "'Shard' object is
+    # not subscriptable"). Such a strategy is ignored and the node takes another candidate.
     import warnings
 
     import fxpar
