@@ -151,3 +151,20 @@ def step_time_table(res: dict[str, Any], base: dict[str, str]) -> list[str]:
         rows.append([name, f"{1e3 * med:.1f}", f"{1e3 * min(r['times']):.1f}", vs, f"{r['first_loss']:.6f}"])
     return markdown_table(["system", "median step ms", "min ms", "step-time ratio", "first-step loss"], rows)
 
+
+
+def run_part(res: dict[str, Any], name: str, fn: Any, out: str, shown: int = 6000) -> None:
+    """``res[name] = fn()`` (or its error and traceback: each part of a device run reports on its own), its wall
+    time in ``res[name + "_wall_s"]``; the whole of ``res`` is written to ``out`` after every part and printed."""
+    import traceback
+
+    t = time.perf_counter()
+    try:
+        res[name] = fn()
+    except Exception as e:  # noqa: BLE001 - one part's failure is recorded, the next part still runs
+        res[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-4000:]}
+    res[name + "_wall_s"] = time.perf_counter() - t
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"== {name} ({res[name + '_wall_s']:.1f} s)\n{json.dumps(res[name], indent=1)[:shown]}", flush=True)

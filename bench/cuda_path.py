@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import run_part
 
 import fxpar
 from fxpar.models.llama import Llama, LlamaConfig
@@ -228,22 +228,10 @@ def main() -> None:
     res: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0],
                            "device": torch.cuda.get_device_name(0) if not smoke else "cpu (smoke)"}
 
-    def part(name: str, fn: Callable[[], Any]) -> None:
-        t = time.perf_counter()
-        try:
-            res[name] = fn()
-        except Exception as e:  # noqa: BLE001 - each part reports on its own
-            res[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-4000:]}
-        res[name + "_wall_s"] = time.perf_counter() - t
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-        print(f"== {name} ({res[name + '_wall_s']:.1f} s)\n{json.dumps(res[name], indent=1)[:6000]}", flush=True)
-
-    part("equivalence", lambda: equivalence(device, TINY if smoke else SMALL, mesh_device))
-    part("fp8_matmuls", lambda: fp8_matmuls(device, [64] if smoke else [4096, 8192]))
-    part("step_time", lambda: step_time(device, TINY if smoke else BIG, 2 if smoke else 4, mesh_device,
-                                        fp8=True, warmup=2 if smoke else 3, steps=2 if smoke else 8))
+    run_part(res, "equivalence", lambda: equivalence(device, TINY if smoke else SMALL, mesh_device), args.out)
+    run_part(res, "fp8_matmuls", lambda: fp8_matmuls(device, [64] if smoke else [4096, 8192]), args.out)
+    run_part(res, "step_time", lambda: step_time(device, TINY if smoke else BIG, 2 if smoke else 4, mesh_device,
+                                        fp8=True, warmup=2 if smoke else 3, steps=2 if smoke else 8), args.out)
     dist.destroy_process_group()
 
 
