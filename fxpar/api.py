@@ -12,12 +12,14 @@ from fxpar.auto import resolve_plan_arg
 from fxpar.capture_memo import one_call
 from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, compile_model
+from fxpar.gc_pause import without_gc_pauses
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.runtime import ParallelModule
 from fxpar.verify import verify
 
 
+@without_gc_pauses
 def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...] | Any,
                 plan: Plan | dict[str, str] | str | None = None, *,
                 loss_fn: Callable[..., torch.Tensor] | None = None, example_targets: Any = None,

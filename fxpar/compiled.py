@@ -25,6 +25,7 @@ from fxpar.capture import Sharing, capture, capture_joint, export_fake, with_sha
 from fxpar.capture_memo import reused
 from fxpar.capture_twins import CaptureTwins, moved_capture
 from fxpar.errors import PlanError
+from fxpar.gc_pause import without_gc_pauses
 from fxpar.ir import Program
 from fxpar.lower import RankProgram, lower
 from fxpar.lower.recompute_budget import resolve_recompute_budget
@@ -126,6 +127,7 @@ class Compiled:
         return graph
 
 
+@without_gc_pauses
 def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan: Any = None,
                   loss_fn: Any = None) -> Compiled:
     """Capture and compile ``model`` for ``mesh`` (no process group needed).

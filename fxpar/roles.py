@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from fxpar.backends.comm import group_arg_index
 from fxpar.blocks import sharing_enabled
+from fxpar.gc_pause import without_gc_pauses
 from fxpar.ir import graph_module
 from fxpar.lower import RankProgram, group_name
 from fxpar.lower.collectives import COORD_SLICE
@@ -71,6 +72,7 @@ class Roles:
             self._bound.popitem(last=False)
         return rp
 
+    @without_gc_pauses
     def _program(self, rank: int, stage: int) -> RankProgram:
         coord = self.mesh.coord(rank)
         if sharing_enabled():
