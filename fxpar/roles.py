@@ -85,7 +85,7 @@ class Roles:
         rp = self._lower(rank, stage)
         read = set(getattr(rp.coord, "read", range(len(coord))))
         self.read_axes |= read
-        rp = dataclasses.replace(rp, coord=tuple(rp.coord))
+        rp = dataclasses.replace(rp, coord=tuple(rp.coord), joint=None)  # lowering's intermediate: split, unread
         if sharing_enabled():
             self.roles.setdefault(stage, []).append(Role(rank, {a: coord[a] for a in sorted(read)}, rp))
         return rp
@@ -144,7 +144,7 @@ def bind(rp: RankProgram, rank: int, mesh: Mesh, graphs: bool = True) -> RankPro
         return _renamed(gm, rename, row, coord)
 
     return dataclasses.replace(
-        rp, rank=rank, coord=mesh.coord(rank), joint=None, forward=graph(rp.forward),  # joint: only the role keeps it
+        rp, rank=rank, coord=mesh.coord(rank), joint=None, forward=graph(rp.forward),
         backward=graph(rp.backward), reduce_grads=graph(rp.reduce_grads), gather_params=graph(rp.gather_params),
         ledger=[row(r) for r in rp.ledger], gather_ledger=[row(r) for r in rp.gather_ledger], groups=groups)
 

@@ -110,6 +110,8 @@ def test_roles_bind_groups(monkeypatch: pytest.MonkeyPatch) -> None:
         texts = {r: on.program(r) + on.ledger_table(r) for r in range(4)}
     assert on._compiled.roles.count() == 1
     assert "tp[2,3]" in texts[3] and "tp[0,1]" not in texts[3]
+    # a role keeps its split graphs, not lowering's joint intermediate (a whole extra copy of the layers' nodes)
+    assert all(on._compiled.rank_program(r).joint is None for r in range(4))
     with sharing(False, monkeypatch):
         off = _compile(build, {"dp": 2, "tp": 2}, TOKENS, llama_plan())
         assert all(off.program(r) + off.ledger_table(r) == texts[r] for r in range(4))
