@@ -168,3 +168,16 @@ def run_part(res: dict[str, Any], name: str, fn: Any, out: str, shown: int = 600
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"== {name} ({res[name + '_wall_s']:.1f} s)\n{json.dumps(res[name], indent=1)[:shown]}", flush=True)
+
+
+def init_one_rank(device: torch.device, port: int) -> None:
+    """A 1-rank process group on 127.0.0.1: NCCL on a GPU, gloo on the CPU (the scripts' ``--smoke``)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if device.type == "cpu":
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    else:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)

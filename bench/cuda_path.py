@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import run_part
+from common import init_one_rank, run_part
 
 import fxpar
 from fxpar.models.llama import Llama, LlamaConfig
@@ -217,13 +216,7 @@ def main() -> None:
     args = p.parse_args()
     smoke = args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu") if smoke else torch.device("cuda", 0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    if smoke:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    else:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    init_one_rank(device, 29517)
     mesh_device = device.type
     res: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0],
                            "device": torch.cuda.get_device_name(0) if not smoke else "cpu (smoke)"}

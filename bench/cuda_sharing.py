@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import run_part
+from common import init_one_rank, run_part
 
 import fxpar
 from fxpar.models import hf_families
@@ -217,13 +217,7 @@ def main() -> None:
                            "device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(0)}
 
     run_part(res, "process_replay", lambda: process_replay(device.type, families, args.workers), args.out, shown=8000)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29519")
-    if smoke:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    else:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    init_one_rank(device, 29519)
     run_part(res, "equivalence", lambda: equivalence(device, checked), args.out, shown=8000)
     dist.destroy_process_group()
 
