@@ -30,7 +30,7 @@ import os
 import re
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +146,7 @@ class BlockTable:
     blocks: dict[str, torch.nn.Module]  # path -> block module, the candidates
     sites: dict[int, Site] = field(default_factory=dict)
     _runs: dict[tuple[Any, ...], list[_Run]] = field(default_factory=dict)  # key -> its variants, by reads
+    detached: dict[str, _BlockState] = field(default_factory=dict)  # path -> state the export did not see
 
     def __post_init__(self) -> None:
         weakref.finalize(self, _forget, self.sites)
@@ -209,25 +210,73 @@ def _forward_of(m: torch.nn.Module) -> Any:
 
 
 @contextmanager
-def opaque_blocks(table: BlockTable, fake_mode: Any) -> Iterator[None]:
-    """Inside: every block of ``table`` is called as ``fxpar::block`` (its forward replaced on the instance)."""
+def opaque_blocks(table: BlockTable, fake_mode: Any, detach: bool = False) -> Iterator[None]:
+    """Inside: every block of ``table`` is called as ``fxpar::block`` (its forward replaced on the instance).
+
+    ``detach``: the blocks' parameters and buffers are taken off them too (``table.detached`` lists them), so the
+    export neither lifts nor passes them: a call takes only its activations (``fxpar.block_state`` puts them back
+    into the joint graph). They are back on the block whenever its code runs (its one fake run per variant).
+    """
     patched = []
     try:
         for path, module in table.blocks.items():
             had = "forward" in module.__dict__
-            module.forward = _opaque_forward(table, path, module, module.forward, fake_mode)
-            patched.append((module, had))
+            state = _BlockState(module) if detach else None
+            module.forward = _opaque_forward(table, path, module, module.forward, fake_mode, state)
+            patched.append((module, had, state))
+            if state is not None:
+                table.detached[path] = state
+                state.take_off()
         yield
     finally:
-        for module, had in patched:
+        for module, had, state in patched:
+            if state is not None:
+                state.put_back()
             if had:
                 module.forward = module.forward.original  # type: ignore[attr-defined]
             else:
                 del module.forward
 
 
+class _BlockState:
+    """A block's parameters and buffers (names relative to it, in ``named_parameters``/``named_buffers`` order),
+    and the submodule dictionaries that hold them, to take them off the block and put them back in order.
+
+    ``token``: the first parameter that requires grad stays on the block and in its calls, so that autograd still
+    differentiates a call whose activations need no gradient (an RNN over input features)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.params = dict(module.named_parameters())
+        self.buffers = dict(module.named_buffers())
+        self.token = next((n for n, t in self.params.items() if t.requires_grad), None)
+        self._held = [(d, dict(d)) for m in module.modules() for d in (m._parameters, m._buffers) if d]
+
+    def take_off(self) -> None:
+        token = self.params.get(self.token) if self.token else None
+        for d, entries in self._held:
+            d.clear()
+            d.update((k, t) for k, t in entries.items() if t is token and token is not None)
+
+    def put_back(self) -> None:
+        for d, entries in self._held:
+            d.clear()
+            d.update(entries)
+
+    @contextmanager
+    def on(self) -> Iterator[None]:
+        """Inside: the state is on the block (its code runs); then as it was (the token as the export traces it)."""
+        now = [(d, dict(d)) for d, _ in self._held]
+        self.put_back()
+        try:
+            yield
+        finally:
+            for d, entries in now:
+                d.clear()
+                d.update(entries)
+
+
 def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forward: Callable[..., Any],
-                    fake_mode: Any) -> Callable[..., Any]:
+                    fake_mode: Any, state: _BlockState | None = None) -> Callable[..., Any]:
     structure = structure_key(module)  # the module does not change while it is exported
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -235,13 +284,14 @@ def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forwa
             flat, in_spec = pytree.tree_flatten((args, kwargs))
             tensors = [x for x in flat if isinstance(x, torch.Tensor)]
             constants = tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in flat)
-            params = dict(module.named_parameters())
-            buffers = dict(module.named_buffers())
+            params = state.params if state else dict(module.named_parameters())
+            buffers = state.buffers if state else dict(module.named_buffers())
             templates = _tensor_keys(tensors)
             key = (structure, str(in_spec), tuple(map(_value_key, constants)), templates, _global_state())
         variant, run = _known_run(table, key, module)
         if run is None:
-            out_leaves, out_spec, reads = _fake_run(module, forward, fake_mode, args, kwargs, tensors)
+            with state.on() if state else nullcontext():
+                out_leaves, out_spec, reads = _fake_run(module, forward, fake_mode, args, kwargs, tensors)
             variant, run = _record_run(table, key, _Run(reads, out_spec, tuple(
                 TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves), tuple(
                 (tuple(t.shape), t.stride(), t.dtype) for t in out_leaves if isinstance(t, torch.Tensor))))
@@ -249,7 +299,10 @@ def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forwa
                     run.out_spec, run.out_constants, templates, (*key, variant))
         table.sites[site.id] = site
         _OUT_META[site.id] = run.out_meta
-        outs = iter(block_call(site.id, [*tensors, *params.values(), *buffers.values()]))
+        # detached: only the token is the export's to see (read now: the export traces the tensor it put there)
+        state_inputs = (module.get_parameter(state.token),) if state and state.token else () if state else (
+            *params.values(), *buffers.values())
+        outs = iter(block_call(site.id, [*tensors, *state_inputs]))
         return pytree.tree_unflatten([next(outs) if c is TENSOR else c for c in site.out_constants], run.out_spec)
 
     call.original = forward  # type: ignore[attr-defined]

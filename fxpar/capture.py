@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fxpar import blocks as _blocks_module
+from fxpar.block_state import Stripped, detached_state, held_elsewhere, restore_block_state, strip_block_state
 from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque_blocks, sharing_enabled
 from fxpar.creation_order import recording_names
 from fxpar.errors import CaptureError
@@ -64,7 +65,7 @@ def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...],
 
 def _capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...], share: Sharing,
              param_dtype: torch.dtype | None) -> Program:
-    exported = export_fake(model, mesh, example_inputs, share=share, param_dtype=param_dtype)
+    exported = export_fake(model, mesh, example_inputs, share=share, param_dtype=param_dtype, detach=True)
     prog = capture_joint(exported.gm, exported, model, mesh, exported.fake_args)
     return prog.replace(notes={**prog.notes, "captures": exported.captures})
 
@@ -102,6 +103,7 @@ class Exported:
     out_spec: Any  # pytree spec of the model's outputs
     blocks: Blocks | None = None  # repeated blocks called as ``fxpar::block`` (``fxpar.stitch`` copies them in)
     reason: str = ""  # why blocks are not shared
+    detached: Stripped | None = None  # the blocks' own state, kept out of ``gm`` (``fxpar.block_state``)
 
     @property
     def captures(self) -> Captures:
@@ -110,12 +112,14 @@ class Exported:
 
 def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...],
                 share: Sharing | None = None, keep: tuple[str, ...] = (),
-                param_dtype: torch.dtype | None = None) -> Exported:
+                param_dtype: torch.dtype | None = None, detach: bool = False) -> Exported:
     """Export ``model`` with fake parameters and inputs (the user's model is left as it was).
 
     ``share``: call repeated blocks (``fxpar.blocks.find_blocks``) as opaque ``fxpar::block`` ops, to be traced
     once each when the joint is captured; ``keep``: module paths that must stay visible (pipeline stage starts);
-    ``param_dtype``: each module computes on its parameters cast to it (``fxpar.mixed_precision``).
+    ``param_dtype``: each module computes on its parameters cast to it (``fxpar.mixed_precision``); ``detach``:
+    the blocks' own parameters and buffers stay out of the export (``Exported.detached``; only for a graph that is
+    captured whole, not split into pipeline stages: a stage's split reads the parameters its graph holds).
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_state = _fake_state(model, fake_mode, mesh.device)
@@ -135,17 +139,19 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     with tracing(), fake_mode:
         if found:
             table = BlockTable(found)
-            with opaque_blocks(table, fake_mode):
+            with opaque_blocks(table, fake_mode, detach=detach and not held_elsewhere(model, found)):
                 ep = _export(model, fake_args)
             blocks = Blocks(table, fake_mode, tracing)
         else:
             ep = _export(model, fake_args)
     gm = ep.module()
+    detached = None
     if blocks is not None:
         with fake_mode:
             blocks.note_uses(gm.graph)
             name_as_whole(gm, blocks)
-    return Exported(gm, fake_mode, fake_args, ep.call_spec.out_spec, blocks, share.reason)
+        detached = detached_state(gm, model, blocks.table)
+    return Exported(gm, fake_mode, fake_args, ep.call_spec.out_spec, blocks, share.reason, detached)
 
 
 def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.Module, mesh: Mesh,
@@ -160,10 +166,13 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
             with ExitStack() as stack, without_onednn():
                 if exported.blocks is not None:  # stitching takes the names the trace dropped where it made them
                     stack.enter_context(recording_names())
-                joint = aot_export_joint_with_descriptors(stack, module, args)
+                stripped = _stripped(module, exported)
+                joint = aot_export_joint_with_descriptors(stack, stripped.module if stripped else module, args)
         except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
             raise CaptureError(_explain_trace_failure(model, e)) from e
         gm = joint.graph_module
+        if stripped is not None:
+            restore_block_state(gm, stripped, exported.fake_mode)
         if exported.blocks is not None:
             gm = stitch(gm, exported.blocks, lambda n: user_source(n.meta.get("stack_trace"), before=_BLOCKS_FILE))
         _split_addmm(gm)
@@ -177,6 +186,15 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
     signature = _signature(gm, joint, args, canonical_names(model))
     provenance = {n.name: _provenance(n) for n in gm.graph.nodes if n.op != "output"}
     return Program(gm=gm, mesh=mesh, signature=signature, provenance=provenance)
+
+
+def _stripped(module: torch.nn.Module, exported: Exported) -> Stripped | None:
+    """``module`` (the exported model or a stage of it) without its blocks' own state, if it has blocks."""
+    if exported.blocks is None:
+        return None
+    if module is exported.gm and exported.detached is not None:
+        return exported.detached
+    return strip_block_state(module, exported.blocks.table.sites)
 
 
 def _fake_like(t: torch.Tensor, fake_mode: FakeTensorMode, device: str) -> torch.Tensor:

@@ -68,3 +68,11 @@ def dead_names_before(graph: fx.Graph, opaque: Callable[[fx.Node], bool] = lambd
             else:
                 unpacking = False
     return before, pending, unpacked
+
+
+def put_first(graph: fx.Graph, names: list[str], dropping: set[str]) -> None:
+    """Record ``names`` as the first ``graph`` created, in order, and forget the names in ``dropping`` (placeholders
+    renamed or added after the trace: a trace creates every placeholder before any other node)."""
+    record = graph._graph_namespace.__dict__.get(_RECORD)
+    if record is not None:
+        record[:] = names + [x for x in record if x not in dropping]

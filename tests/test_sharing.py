@@ -318,3 +318,66 @@ def test_blocks_are_shared_on_a_cuda_mesh(family: str, plan: object, monkeypatch
     for rank in (0, on._compiled.mesh.size - 1):
         assert on.program(rank) == off.program(rank)
         assert on.ledger_table(rank) == off.ledger_table(rank)
+
+
+class _GatedBlock(torch.nn.Module):
+    """A block with a frozen parameter and a buffer of its own."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, width), requires_grad=False)
+        self.register_buffer("offset", torch.linspace(-1.0, 1.0, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(x) * self.gain + self.offset)
+
+
+class _GatedStack(torch.nn.Module):
+    """``embed=False``: the first block reads the input, which needs no gradient (only the blocks' own parameters
+    make autograd differentiate the calls)."""
+
+    def __init__(self, width: int = 6, layers: int = 4, embed: bool = True) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(6, width) if embed else torch.nn.Identity()
+        self.layers = torch.nn.ModuleList(_GatedBlock(width) for _ in range(layers))
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _square_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (out - x[:, :3]).pow(2).mean()
+
+
+@pytest.mark.parametrize(("axes", "embed"), [({"dp": 2}, True), ({"dp": 2}, False), ({"pp": 2}, True)],
+                         ids=["dp2", "dp2_input_needs_no_grad", "pp2"])
+def test_block_state_is_traced_outside_the_model_and_put_back(axes: dict, embed: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's own joint trace leaves out what only one block call reads (its parameters, frozen or not, and
+    its buffers, but for one parameter that needs a gradient: the call's backward must still be traced) and puts
+    them back where a trace with them gives them: placeholders, gradients, names and every program are the
+    whole-model capture's."""
+    import fxpar.capture as capture
+
+    stripped = []
+    strip = capture._stripped
+    monkeypatch.setattr(capture, "_stripped", lambda *a: stripped.append(strip(*a)) or stripped[-1])
+    inputs = (torch.randn(4, 6, generator=torch.Generator().manual_seed(0)),)
+    texts = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(functools.partial(_GatedStack, embed=embed), axes, inputs, loss_fn=_square_loss)
+            assert pm._compiled.stages[0].notes["captures"].whole is not on
+            texts[on] = [pm.program(r) + pm.ledger_table(r) + str(pm.memory(r)) for r in range(2)]
+    stripped = [s for s in stripped if s is not None]  # (sharing off: no blocks, nothing to strip)
+    assert sum(len(s.hidden) for s in stripped) == 4 * 3  # proj.bias, gain, offset of each layer
+    # what AOTAutograd traced holds only each layer's token (on one mesh the export never saw the rest, on the
+    # pipeline the stage's split graph drops it)
+    assert sorted(n for s in stripped for n, _ in (*s.module.named_parameters(), *s.module.named_buffers())
+                  if n.startswith("layers.")) == [f"layers.{i}.proj.weight" for i in range(4)]
+    assert "layers_3_offset: f32[6]" in "".join(texts[True]) and texts[True] == texts[False]
