@@ -6,6 +6,7 @@ between versions and checked in as golden files.
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from typing import Any
@@ -55,6 +56,14 @@ def placement_str(p: Any) -> str:
 def placements_str(placements: Any, axes: tuple[str, ...]) -> str:
     if placements is None:
         return ""
+    try:  # a program repeats a few placements over thousands of nodes
+        return _placements_text(placements, axes)
+    except TypeError:  # not hashable (a list)
+        return _placements_text.__wrapped__(placements, axes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placements_text(placements: Any, axes: tuple[str, ...]) -> str:
     if placements and isinstance(placements[0], tuple) or (placements and placements[0] is None):
         return "(" + ", ".join(placements_str(p, axes) for p in placements) + ")"
     return " ".join(f"{a}:{placement_str(p)}" for a, p in zip(axes, placements, strict=True))
@@ -80,6 +89,16 @@ def _arg(a: Any, groups: dict[str, str]) -> str:
 
 
 def _target(t: Any) -> str:
+    name = _TARGETS.get(id(t))  # op overloads live as long as torch does
+    if name is None:
+        name = _TARGETS[id(t)] = _target_name(t) if isinstance(t, torch._ops.OpOverload) else None
+    return name if name is not None else _target_name(t)
+
+
+_TARGETS: dict[int, str | None] = {}
+
+
+def _target_name(t: Any) -> str:
     if t in _COMM:
         return _COMM[t]
     if isinstance(t, torch._ops.OpOverload):  # "aten::mm.default" -> aten.mm, "fxpar::bmm4" -> fxpar.bmm4
