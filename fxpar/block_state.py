@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 from torch._functorch._aot_autograd.descriptors import BufferAOTInput, GradAOTOutput, ParamAOTInput
 
-from fxpar.blocks import BLOCK_OPS, BlockTable, Site
+from fxpar.blocks import BLOCK_OPS, BlockTable, NotShared, Site
 from fxpar.creation_order import put_first
 
 _BLOCK, _BLOCK_BACKWARD = BLOCK_OPS
@@ -102,6 +102,9 @@ def detached_state(gm: fx.GraphModule, model: torch.nn.Module, table: BlockTable
     ``gm`` is already the module AOTAutograd traces."""
     if not table.detached:
         return None
+    calls = Counter(site.path for site in table.sites.values())
+    if max(calls.values(), default=0) > 1:  # its parameters' gradients would be summed over the calls
+        raise NotShared("a block is called more than once")
     hidden = {f"{path}.{name}": (True, t) for path, state in table.detached.items() for name, t in state.params.items()
               if name != state.token}
     hidden.update({f"{path}.{name}": (False, t) for path, state in table.detached.items()

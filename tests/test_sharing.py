@@ -350,6 +350,16 @@ class _GatedStack(torch.nn.Module):
         return self.head(x)
 
 
+class _GatedStackFirstTwice(_GatedStack):
+    """Calls its first block again after the others: that block's parameters get two gradient contributions."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.layers[0](x))
+
+
 def _square_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (out - x[:, :3]).pow(2).mean()
 
@@ -381,3 +391,14 @@ def test_block_state_is_traced_outside_the_model_and_put_back(axes: dict, embed:
     assert sorted(n for s in stripped for n, _ in (*s.module.named_parameters(), *s.module.named_buffers())
                   if n.startswith("layers.")) == [f"layers.{i}.proj.weight" for i in range(4)]
     assert "layers_3_offset: f32[6]" in "".join(texts[True]) and texts[True] == texts[False]
+
+
+def test_a_block_called_twice_keeps_its_state_in_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block called twice sums its parameters' gradients over the calls, which only a trace that holds them can
+    do: the program is the whole-model capture's (it was not while the export left them out)."""
+    inputs = (torch.randn(4, 6, generator=torch.Generator().manual_seed(0)),)
+    texts = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            texts[on] = _compile(_GatedStackFirstTwice, {"dp": 2}, inputs, loss_fn=_square_loss).program(0)
+    assert texts[True] == texts[False]
