@@ -156,6 +156,9 @@ def restore_block_state(gm: fx.GraphModule, stripped: Stripped, fake_mode: Any) 
             p.name = f"primals_{i + 1}"
     put_first(graph, [p.name for p in order], old_names)
     grads = _restore_calls(graph, stripped, restored)
+    missing = [t for t in stripped.hidden if _has_grad(stripped, t) and t not in grads]
+    if missing:  # the trace with them would have differentiated the call; this one did not
+        raise NotShared(f"no backward traced for a block call whose parameters need gradients ({missing[0]})")
     _restore_outputs(graph, old_inputs, [p for p in order if type(p.meta["desc"]).__name__ != "TangentAOTInput"],
                      grads)
 
