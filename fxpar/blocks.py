@@ -243,36 +243,59 @@ class _BlockState:
     and the submodule dictionaries that hold them, to take them off the block and put them back in order.
 
     ``token``: the first parameter that requires grad stays on the block and in its calls, so that autograd still
-    differentiates a call whose activations need no gradient (an RNN over input features)."""
+    differentiates a call whose activations need no gradient (an RNN over input features). While the rest is off,
+    each name reads as a ``_TakenOff`` stand-in: code outside the block that reads it (even with a default, as
+    ``getattr(layer, "bias", None)`` does) fails and the model is captured whole, instead of reading nothing."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
         self.token = next((n for n, t in self.params.items() if t.requires_grad), None)
-        self._held = [(d, dict(d)) for m in module.modules() for d in (m._parameters, m._buffers) if d]
+        self._held = [(m, d, dict(d)) for m in module.modules() for d in (m._parameters, m._buffers) if d]
 
     def take_off(self) -> None:
         token = self.params.get(self.token) if self.token else None
-        for d, entries in self._held:
+        for m, d, entries in self._held:
             d.clear()
-            d.update((k, t) for k, t in entries.items() if t is token and token is not None)
+            for k, t in entries.items():
+                if token is not None and t is token:
+                    d[k] = t
+                elif t is not None:
+                    m.__dict__[k] = _TakenOff(k)
 
     def put_back(self) -> None:
-        for d, entries in self._held:
+        for m, d, entries in self._held:
+            for k in entries:
+                if isinstance(m.__dict__.get(k), _TakenOff):
+                    del m.__dict__[k]
             d.clear()
             d.update(entries)
 
     @contextmanager
     def on(self) -> Iterator[None]:
         """Inside: the state is on the block (its code runs); then as it was (the token as the export traces it)."""
-        now = [(d, dict(d)) for d, _ in self._held]
+        now = [(d, dict(d)) for _, d, _ in self._held]
         self.put_back()
         try:
             yield
         finally:
+            self.take_off()
             for d, entries in now:
                 d.clear()
                 d.update(entries)
+
+
+class _TakenOff:
+    """Where a repeated block's parameter or buffer was while the model is exported without it: any use fails."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        raise NotShared(f"a repeated block's {self._name!r} is read outside the block")
+
+    def __repr__(self) -> str:
+        return f"<{self._name}: taken off its block while the model is exported>"
 
 
 def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forward: Callable[..., Any],

@@ -360,6 +360,14 @@ class _GatedStackFirstTwice(_GatedStack):
         return self.head(self.layers[0](x))
 
 
+class _GatedStackReadsABias(_GatedStack):
+    """Reads its last block's bias outside the blocks, with a default (as code probing optional state does)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.layers[-1].proj, "bias", None)
+        return super().forward(x) + (bias.sum() if bias is not None else 0.0)
+
+
 def _square_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (out - x[:, :3]).pow(2).mean()
 
@@ -393,12 +401,15 @@ def test_block_state_is_traced_outside_the_model_and_put_back(axes: dict, embed:
     assert "layers_3_offset: f32[6]" in "".join(texts[True]) and texts[True] == texts[False]
 
 
-def test_a_block_called_twice_keeps_its_state_in_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A block called twice sums its parameters' gradients over the calls, which only a trace that holds them can
-    do: the program is the whole-model capture's (it was not while the export left them out)."""
+@pytest.mark.parametrize("build", [_GatedStackFirstTwice, _GatedStackReadsABias], ids=["called_twice", "read_outside"])
+def test_block_state_used_outside_one_call_stays_in_the_trace(build: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block called twice sums its parameters' gradients over the calls, and code outside the blocks may read a
+    block's parameter (here with a default, which would read nothing while the state is off the block): only a
+    trace that holds the state gets either right, so the model is captured whole, and the program is the
+    whole-model capture's (neither was while the export left the state out)."""
     inputs = (torch.randn(4, 6, generator=torch.Generator().manual_seed(0)),)
     texts = {}
     for on in (True, False):
         with sharing(on, monkeypatch):
-            texts[on] = _compile(_GatedStackFirstTwice, {"dp": 2}, inputs, loss_fn=_square_loss).program(0)
+            texts[on] = _compile(build, {"dp": 2}, inputs, loss_fn=_square_loss).program(0)
     assert texts[True] == texts[False]
