@@ -38,6 +38,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+from fxpar.not_shared import NotShared
+from fxpar.taken_off import BlockState
+
 SHARING_ENV = "FXPAR_SHARING"  # "0": trace every layer (the escape hatch; the programs must be byte-identical)
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
@@ -67,10 +70,6 @@ def share_min() -> int:
 def sharing_enabled() -> bool:
     """Whether repeated blocks are traced once (default) or every layer is traced (``FXPAR_SHARING=0``)."""
     return os.environ.get(SHARING_ENV, "1") != "0"
-
-
-class NotShared(Exception):  # noqa: N818 - a signal to capture the whole model, not an error
-    """Sharing cannot be proven here; the caller captures the whole model instead."""
 
 
 @torch.library.custom_op("fxpar::block", mutates_args=())
@@ -146,7 +145,7 @@ class BlockTable:
     blocks: dict[str, torch.nn.Module]  # path -> block module, the candidates
     sites: dict[int, Site] = field(default_factory=dict)
     _runs: dict[tuple[Any, ...], list[_Run]] = field(default_factory=dict)  # key -> its variants, by reads
-    detached: dict[str, _BlockState] = field(default_factory=dict)  # path -> state the export did not see
+    detached: dict[str, BlockState] = field(default_factory=dict)  # path -> state the export did not see
 
     def __post_init__(self) -> None:
         weakref.finalize(self, _forget, self.sites)
@@ -221,7 +220,7 @@ def opaque_blocks(table: BlockTable, fake_mode: Any, detach: bool = False) -> It
     try:
         for path, module in table.blocks.items():
             had = "forward" in module.__dict__
-            state = _BlockState(module) if detach else None
+            state = BlockState(module) if detach else None
             module.forward = _opaque_forward(table, path, module, module.forward, fake_mode, state)
             patched.append((module, had, state))
             if state is not None:
@@ -238,68 +237,8 @@ def opaque_blocks(table: BlockTable, fake_mode: Any, detach: bool = False) -> It
                 del module.forward
 
 
-class _BlockState:
-    """A block's parameters and buffers (names relative to it, in ``named_parameters``/``named_buffers`` order),
-    and the submodule dictionaries that hold them, to take them off the block and put them back in order.
-
-    ``token``: the first parameter that requires grad stays on the block and in its calls, so that autograd still
-    differentiates a call whose activations need no gradient (an RNN over input features). While the rest is off,
-    each name reads as a ``_TakenOff`` stand-in: code outside the block that reads it (even with a default, as
-    ``getattr(layer, "bias", None)`` does) fails and the model is captured whole, instead of reading nothing."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.params = dict(module.named_parameters())
-        self.buffers = dict(module.named_buffers())
-        self.token = next((n for n, t in self.params.items() if t.requires_grad), None)
-        self._held = [(m, d, dict(d)) for m in module.modules() for d in (m._parameters, m._buffers) if d]
-
-    def take_off(self) -> None:
-        token = self.params.get(self.token) if self.token else None
-        for m, d, entries in self._held:
-            d.clear()
-            for k, t in entries.items():
-                if token is not None and t is token:
-                    d[k] = t
-                elif t is not None:
-                    m.__dict__[k] = _TakenOff(k)
-
-    def put_back(self) -> None:
-        for m, d, entries in self._held:
-            for k in entries:
-                if isinstance(m.__dict__.get(k), _TakenOff):
-                    del m.__dict__[k]
-            d.clear()
-            d.update(entries)
-
-    @contextmanager
-    def on(self) -> Iterator[None]:
-        """Inside: the state is on the block (its code runs); then as it was (the token as the export traces it)."""
-        now = [(d, dict(d)) for _, d, _ in self._held]
-        self.put_back()
-        try:
-            yield
-        finally:
-            self.take_off()
-            for d, entries in now:
-                d.clear()
-                d.update(entries)
-
-
-class _TakenOff:
-    """Where a repeated block's parameter or buffer was while the model is exported without it: any use fails."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        raise NotShared(f"a repeated block's {self._name!r} is read outside the block")
-
-    def __repr__(self) -> str:
-        return f"<{self._name}: taken off its block while the model is exported>"
-
-
 def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forward: Callable[..., Any],
-                    fake_mode: Any, state: _BlockState | None = None) -> Callable[..., Any]:
+                    fake_mode: Any, state: BlockState | None = None) -> Callable[..., Any]:
     structure = structure_key(module)  # the module does not change while it is exported
 
     def call(*args: Any, **kwargs: Any) -> Any:
