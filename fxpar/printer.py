@@ -89,16 +89,6 @@ def _arg(a: Any, groups: dict[str, str]) -> str:
 
 
 def _target(t: Any) -> str:
-    name = _TARGETS.get(id(t))  # op overloads live as long as torch does
-    if name is None:
-        name = _TARGETS[id(t)] = _target_name(t) if isinstance(t, torch._ops.OpOverload) else None
-    return name if name is not None else _target_name(t)
-
-
-_TARGETS: dict[int, str | None] = {}
-
-
-def _target_name(t: Any) -> str:
     if t in _COMM:
         return _COMM[t]
     if isinstance(t, torch._ops.OpOverload):  # "aten::mm.default" -> aten.mm, "fxpar::bmm4" -> fxpar.bmm4
