@@ -261,14 +261,20 @@ def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forwa
                     run.out_spec, run.out_constants, templates, (*key, variant))
         table.sites[site.id] = site
         _OUT_META[site.id] = run.out_meta
-        # detached: only the token is the export's to see (read now: the export traces the tensor it put there)
-        state_inputs = (module.get_parameter(state.token),) if state and state.token else () if state else (
-            *params.values(), *buffers.values())
-        outs = iter(block_call(site.id, [*tensors, *state_inputs]))
+        outs = iter(block_call(site.id, [*tensors, *_state_inputs(module, state, params, buffers)]))
         return pytree.tree_unflatten([next(outs) if c is TENSOR else c for c in site.out_constants], run.out_spec)
 
     call.original = forward  # type: ignore[attr-defined]
     return call
+
+
+def _state_inputs(module: torch.nn.Module, state: BlockState | None, params: dict[str, torch.Tensor],
+                  buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The block's own tensors a call passes: all of them; detached, only its token (read from the module now:
+    the export traces the tensor it put there)."""
+    if state is None:
+        return (*params.values(), *buffers.values())
+    return (module.get_parameter(state.token),) if state.token else ()
 
 
 @dataclass(frozen=True)
