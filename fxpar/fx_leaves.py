@@ -25,6 +25,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 _SEQUENCES = (tuple, list, immutable_list)
 _MAPPINGS = (dict, immutable_dict)
+_LEAVES = frozenset({fx_graph.Node, int, float, bool, str, type(None)})  # never pytree nodes
 
 
 def tree_iter(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Iterator[Any]:
@@ -39,15 +40,20 @@ def tree_iter(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Iterat
 def _collect(tree: Any, out: list[Any]) -> None:
     kind = type(tree)
     if kind in _SEQUENCES:
-        for child in tree:
-            _collect(child, out)
+        children: Any = tree
     elif kind in _MAPPINGS:
-        for child in tree.values():
-            _collect(child, out)
+        children = tree.values()
     elif kind in pytree.SUPPORTED_NODES or _namedtuple_class(kind):
         out.extend(pytree.tree_iter(tree))
+        return
     else:
         out.append(tree)
+        return
+    for child in children:
+        if type(child) in _LEAVES:  # most arguments: a node or a number, no call needed
+            out.append(child)
+        else:
+            _collect(child, out)
 
 
 _NAMEDTUPLE: dict[type, bool] = {}  # whether a class is a namedtuple (a pytree node): fixed when it is made

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,15 +44,18 @@ class Emitter:
         self.site = Site()
         self._values = _FAKE.values()  # fake outputs by op and input metadata (``fake_value``)
 
-    @contextmanager
-    def at(self, **changes: Any) -> Iterator[None]:
-        """Emit with ``site`` changed by ``changes`` inside the ``with`` block."""
-        outer = self.site
-        self.site = dataclasses.replace(outer, **changes)
-        try:
-            yield
-        finally:
-            self.site = outer
+    def at(self, **changes: Any) -> AbstractContextManager[None]:
+        """Emit with ``site`` changed by ``changes`` inside the ``with`` block (lowering enters a few per node:
+        where nothing changes, nothing is made)."""
+        site = self.site
+        for field, value in changes.items():
+            if getattr(site, field) != value:
+                return _SiteScope(self, dataclasses.replace(site, **changes))
+        return _UNCHANGED
+
+    def at_site(self, site: Site) -> AbstractContextManager[None]:
+        """Emit at ``site`` inside the ``with`` block."""
+        return _SiteScope(self, site)
 
     @contextmanager
     def into(self, graph: fx.Graph, **changes: Any) -> Iterator[fx.Graph]:
@@ -103,6 +106,25 @@ class Emitter:
                                             val.numel() * val.element_size(), ranks)
 
 
+class _SiteScope:
+    """``with emitter.at(...)`` where the site changes: ``site`` inside the block, the outer site restored after."""
+
+    __slots__ = ("emitter", "outer", "site")
+
+    def __init__(self, emitter: Emitter, site: Site) -> None:
+        self.emitter, self.site = emitter, site
+
+    def __enter__(self) -> None:
+        self.outer = self.emitter.site
+        self.emitter.site = self.site
+
+    def __exit__(self, *exc: object) -> None:
+        self.emitter.site = self.outer
+
+
+_UNCHANGED = nullcontext()
+
+
 class _SharedFake:
     """The fake-tensor mode every lowering in this process runs its ops in, and the outputs computed so far by op
     and input metadata: the stages and roles of one compile (and later compiles) see the same layers' shapes."""
@@ -126,6 +148,7 @@ class _SharedFake:
 
 _FAKE = _SharedFake()
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 def _fake_key(target: Any, args: tuple, kwargs: dict) -> tuple[Any, ...] | None:
@@ -161,8 +184,13 @@ def _arg_key(a: Any) -> Any:
             if len(_TENSOR_KEYS) > _SharedFake.LIMIT:
                 _TENSOR_KEYS.clear()
         return known[1]
+    kind = type(a)
+    if kind in _PLAIN_TYPES:
+        return (kind, a)
     if isinstance(a, (tuple, list)):
-        return (type(a).__name__, tuple(_arg_key(x) for x in a))
+        if all(type(x) is int for x in a):  # a shape: its ints are their own key (no other key holds bare ints)
+            return (kind, tuple(a))
+        return (kind, tuple([_arg_key(x) for x in a]))
     if isinstance(a, _PLAIN):
-        return (type(a).__name__, a)
+        return (kind, a)
     raise _Unkeyable

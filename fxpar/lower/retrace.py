@@ -79,6 +79,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         self._cast_weights: dict[str, tuple[str, str]] | None = None  # ZeRO-3 + mixed precision (``FlatBuckets``)
         self.recompute: frozenset[str] = prog.notes.get("recompute", frozenset())
         self.experts = ExpertLowering(self) if self.mesh.axes.get(EXPERT_AXIS, 1) > 1 else None
+        self.planned: set[str] = set()  # nodes with a planned placement change on an input (set by ``run``)
 
     # -- redistribution ------------------------------------------------------------------
     def redistribute(self, producer: str, dst: Placements, steps: tuple[Step, ...], module: str) -> fx.Node:
@@ -130,13 +131,14 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         """Lower every global node in order. The site's source line and global node are those of the last op
         lowered: placeholders and outputs keep them (and so do the once-per-step graphs built after the walk)."""
         plan = self.prog.notes["redistribute"]
+        self.planned = {name for name, _ in plan}  # the nodes some input of which changes placement
         last = Site()
         for node in self.prog.graph.nodes:
             prov = self.prog.provenance.get(node.name)
             if node.op == "call_function":
                 last = Site(source=prov.source if prov else "",
                             for_node=last.for_node if node.target in DROPPED else node.name)
-            with self.at(phase=prov.phase if prov else "fwd", source=last.source, for_node=last.for_node):
+            with self.at_site(Site(prov.phase if prov else "fwd", last.source, last.for_node, self.site.recompute)):
                 if node.op == "placeholder":
                     self.placeholder(node)
                 elif node.op == "get_attr":
@@ -223,6 +225,8 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
                                             name=node.name)
 
     def local_inputs(self, node: fx.Node, plan: dict, module: str) -> dict[str, fx.Node]:
+        if node.name not in self.planned:  # most nodes: every input read as it is
+            return {a.name: self.env[a.name] for a in node.all_input_nodes}
         out: dict[str, fx.Node] = {}
         for pos, arg in enumerate(consumed_tensors(node)):
             planned = plan.get((node.name, pos))
