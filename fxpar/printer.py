@@ -18,6 +18,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxpar.backends.comm import c10d, rank_sizes
 from fxpar.compiled import Compiled
+from fxpar.gc_pause import without_gc_pauses
 from fxpar.ir import BLOCK, Program
 from fxpar.lower import LedgerRow, RankProgram
 from fxpar.lower.collectives import COORD_SLICE
@@ -264,6 +265,7 @@ def print_rank_program(prog: Program, rp: RankProgram, verbosity: int = 1, extra
     return "\n\n".join(parts) + "\n"
 
 
+@without_gc_pauses  # a deep model's program is tens of thousands of lines: see ``fxpar.gc_pause``
 def print_rank_programs(c: Compiled, rank: int, verbosity: int = 1) -> str:
     """Every stage program ``rank`` holds (one without pipeline stages), each with its boundary transfers."""
     stages = c.stage_of_rank(rank)
