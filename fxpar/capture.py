@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fxpar import blocks as _blocks_module
@@ -198,10 +198,16 @@ def _stripped(module: torch.nn.Module, exported: Exported) -> Stripped | None:
 
 
 def _fake_like(t: torch.Tensor, fake_mode: FakeTensorMode, device: str) -> torch.Tensor:
-    with fake_mode:
-        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    """A fake tensor of ``t``'s shape, strides and dtype on ``device``; a parameter stays a parameter (with its
+    ``requires_grad``). Wrapped from a fresh meta tensor as the fake mode wraps an op's meta output, and marked a
+    parameter as ``nn.Parameter`` marks a tensor subclass: about 18 us a tensor where running ``empty_strided`` in
+    the mode and wrapping it in ``nn.Parameter`` took about 220 us (726 tensors at 80 layers of 70B)."""
+    with unset_fake_temporarily():
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    fake = fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, torch.device(device))
     if isinstance(t, torch.nn.Parameter):
-        return torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+        fake.requires_grad_(t.requires_grad)
+        fake._is_param = True  # what ``nn.Parameter(fake)`` sets on a tensor subclass (after a detach)
     return fake
 
 
