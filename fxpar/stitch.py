@@ -18,7 +18,7 @@ import operator
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +72,7 @@ class Representative:
     dead_before: dict[str, list[str]]
     dead_after: tuple[list[str], list[str]]
     sums: dict[int, fx.Node]  # op input -> the first add of the block's own sum of its gradient (grad_accumulation)
+    kept_meta: dict[fx.Node, dict[str, Any]] = field(default_factory=dict)  # each node's meta every copy keeps
 
     @property
     def read_inputs(self) -> set[int]:
@@ -395,7 +396,7 @@ def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], r
             args = (started[r], *args[1:])
         new = g.create_node("call_function", r.target, args, fx.map_arg(r.kwargs, renv.__getitem__),
                             name=names.take(r.name), type_expr=r.type)
-        new.meta = _copied_meta(r, rep, path, source)
+        new.meta.update(_copied_meta(r, rep, path, source))  # (not ``new.meta = ``: fx re-indexes a node set so)
         new.meta[TEMPLATE] = (id(rep), r.name)
         renv[r] = new
         if r in after:
@@ -413,7 +414,10 @@ def _start_sum(g: fx.Graph, acc: fx.Node, contribution: fx.Node, first: fx.Node,
 
 
 def _copied_meta(r: fx.Node, rep: Representative, path: str, source: str) -> dict[str, Any]:
-    meta = {k: v for k, v in r.meta.items() if k not in _STACK_KEYS}
+    kept = rep.kept_meta.get(r)
+    if kept is None:
+        kept = rep.kept_meta[r] = {k: v for k, v in r.meta.items() if k not in _STACK_KEYS}
+    meta = dict(kept)
     rel = rep.provenance[r]
     module = "" if rel.module is None else path + rel.module
     meta["fxpar_provenance"] = Provenance(module, rel.source or source, rel.phase)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxpar.ir import graph_module
+from fxpar.ir import copy_node, graph_module
 
 
 def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module, recompute_casts: int = 0
@@ -35,7 +35,7 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module, 
 
     def bwd_arg(n: fx.Node) -> fx.Node:
         if n not in benv and n in from_shards:  # recompute it in the backward instead of saving it
-            benv[n] = bwd_g.node_copy(n, bwd_arg)
+            benv[n] = copy_node(bwd_g, n, bwd_arg)
             benv[n].meta.update(phase="bwd", recomputed=True)
         elif n not in benv:  # a forward value the backward needs: saved across the two graphs
             ph = bwd_g.placeholder(f"saved_{n.name}")
@@ -49,9 +49,9 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module, 
             continue
         is_bwd = n.meta.get("phase") == "bwd"
         if not is_bwd:
-            fenv[n] = fwd_g.node_copy(n, lambda a: fenv[a])
+            fenv[n] = copy_node(fwd_g, n, fenv.__getitem__)
         else:
-            benv[n] = bwd_g.node_copy(n, bwd_arg)
+            benv[n] = copy_node(bwd_g, n, bwd_arg)
     # tangents first in the backward signature: move saved placeholders before them by order of use
     fwd_g.output((*[fenv[o] for o in outs[:num_outputs]], *[fenv[s] for s in saved]))
     bwd_g.output(tuple(None if o is None else (benv[o] if o in benv else bwd_arg(o)) for o in outs[num_outputs:]))
