@@ -31,6 +31,7 @@ from torch._functorch._aot_autograd.descriptors import BufferAOTInput, GradAOTOu
 
 from fxpar.blocks import BLOCK_OPS, BlockTable, NotShared, Site
 from fxpar.creation_order import put_first
+from fxpar.ir import fake_empty
 
 _BLOCK, _BLOCK_BACKWARD = BLOCK_OPS
 _STATE = "_fxpar_block_state"  # the base name of a restored placeholder until it is numbered
@@ -172,10 +173,9 @@ def _restored_placeholders(graph: fx.Graph, stripped: Stripped, fake_mode: Any, 
     for target, (is_param, t) in stripped.hidden.items():
         with graph.inserting_before(like):
             ph = graph.placeholder(_STATE)
-        with fake_mode:
-            val = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        ph.meta = {"desc": (ParamAOTInput if is_param else BufferAOTInput)(target), "val": val,
-                   "partitioner_tag": like.meta.get("partitioner_tag")}
+        val = fake_empty(fake_mode, t.shape, t.stride(), t.dtype, t.device)
+        ph.meta.update({"desc": (ParamAOTInput if is_param else BufferAOTInput)(target), "val": val,
+                        "partitioner_tag": like.meta.get("partitioner_tag")})
         out[target] = ph
     return out
 

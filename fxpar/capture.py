@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fxpar import blocks as _blocks_module
@@ -28,7 +28,7 @@ from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque
 from fxpar.creation_order import recording_names
 from fxpar.errors import CaptureError
 from fxpar.global_means import means_as_sums
-from fxpar.ir import Program, Provenance, Signature
+from fxpar.ir import Program, Provenance, Signature, fake_empty
 from fxpar.mesh import Mesh
 from fxpar.mixed_precision import computing_in
 from fxpar.moe import experts_as_ops
@@ -202,9 +202,7 @@ def _fake_like(t: torch.Tensor, fake_mode: FakeTensorMode, device: str) -> torch
     ``requires_grad``). Wrapped from a fresh meta tensor as the fake mode wraps an op's meta output, and marked a
     parameter as ``nn.Parameter`` marks a tensor subclass: about 18 us a tensor where running ``empty_strided`` in
     the mode and wrapping it in ``nn.Parameter`` took about 220 us (726 tensors at 80 layers of 70B)."""
-    with unset_fake_temporarily():
-        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    fake = fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, torch.device(device))
+    fake = fake_empty(fake_mode, t.shape, t.stride(), t.dtype, device)
     if isinstance(t, torch.nn.Parameter):
         fake.requires_grad_(t.requires_grad)
         fake._is_param = True  # what ``nn.Parameter(fake)`` sets on a tensor subclass (after a detach)

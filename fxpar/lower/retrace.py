@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from fxpar.ir import Placements, Program, Step, consumed_tensors, graph_module, py_name
+from fxpar.ir import Placements, Program, Step, consumed_tensors, fake_empty, graph_module, py_name
 from fxpar.lower.collectives import CollectiveEmitter
 from fxpar.lower.context import CAUSAL_ATTENTION, ContextMask
 from fxpar.lower.emit import Site
@@ -159,10 +159,9 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         p = self.prog.placements[node.name]
         val = node.meta["val"]
         new = self.graph.placeholder(self.local_names.get(node.name, node.name))
-        with self.fake:
-            shape = self.split.local_shape(val.shape, p, self.coord)
-            dtype = self.working_copy_dtype(node.name) or val.dtype  # ZeRO-1/2 mixed precision: gathered in it
-            new.meta["val"] = torch.empty(shape, dtype=dtype, device=val.device)
+        shape = self.split.local_shape(val.shape, p, self.coord)
+        dtype = self.working_copy_dtype(node.name) or val.dtype  # ZeRO-1/2 mixed precision: gathered in it
+        new.meta["val"] = fake_empty(self.fake, shape, None, dtype, val.device)
         new.meta.update(placements=p, module=self.prog.provenance[node.name].module, phase=self.site.phase)
         self.env[node.name] = new
         if self.zero3 and self.param_fqn.get(node.name) in self.zero:
