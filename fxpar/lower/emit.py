@@ -84,8 +84,9 @@ class Emitter:
         """``target`` run on the fake values of ``args``: computed once per op and input metadata (a repeated
         layer's ops see the same shapes: an 80-layer rank graph runs each distinct op once, not 80 times)."""
         key = _fake_key(target, args, kwargs)
-        if key is not None and key in self._values:
-            return self._values[key]
+        known = self._values.get(key, _MISSING) if key is not None else _MISSING  # (a key's hash is not cached)
+        if known is not _MISSING:
+            return known
         vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
         with self.fake:
             val = target(*vals[0], **vals[1])
@@ -123,6 +124,7 @@ class _SiteScope:
 
 
 _UNCHANGED = nullcontext()
+_MISSING = object()
 
 
 class _SharedFake:

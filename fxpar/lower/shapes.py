@@ -32,6 +32,7 @@ SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 # ops that take their input's sizes as ints: op -> (index of the input, index of N; C and HxW follow it)
 SIZE_ARGS = {aten.native_group_norm.default: (0, 3), aten.native_group_norm_backward.default: (1, 5)}
 VIEWS = {aten.view.default, aten._unsafe_view.default}
+_HANDLED = frozenset({*SHAPE_ARG, *ARANGES, *SQUEEZES, *SIZE_ARGS, *VIEWS})
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class LocalShapes:
 def localize(node: fx.Node, args: tuple, placements: Any, at: LocalShapes) -> tuple[Any, tuple]:
     """Rewrite global shape arguments to this rank's local shapes."""
     target = node.target
+    if target not in _HANDLED:  # most ops: one lookup (an op's hash is a Python call)
+        return target, args
     if target in SHAPE_ARG and isinstance(placements, tuple) and any(isinstance(p, Shard) for p in placements):
         i = SHAPE_ARG[target]
         shape = at.split.local_shape(node.meta["val"].shape, placements, at.coord)
