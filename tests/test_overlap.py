@@ -154,3 +154,22 @@ def test_bound_gradient_buckets_reduce_in_place_while_the_program_prints_the_fun
     assert len(buckets) > 1 and len(in_place) == len(buckets)
     assert len(still) == len(functional) - len(buckets) > 0
     assert "all_reduce_" not in pm.program(0)
+
+
+def test_issue_order_keeps_its_order_through_many_insertions_at_one_place() -> None:
+    """The order lowering reorders a graph with (``fxpar.lower.overlap._Order``) respaces its keys when no key is
+    left between two neighbours: 600 insertions right after one anchor run out of room twice."""
+    from fxpar.lower.overlap import _Order
+
+    g = torch.fx.Graph()
+    base = [g.placeholder(f"x{i}") for i in range(3)]
+    order = _Order(base)
+    inserted = []
+    for i in range(600):  # each right after x0: the newest first, so the list reads x0, n599, ..., n0, x1, x2
+        n = g.placeholder(f"n{i}")
+        order.insert_after(base[0], n)
+        inserted.append(n)
+    expected = [base[0], *reversed(inserted), *base[1:]]
+    assert list(order) == expected
+    assert [order.pos(n) for n in expected] == sorted(order.pos(n) for n in expected)
+    assert len({order.pos(n) for n in expected}) == len(expected)
