@@ -25,6 +25,7 @@ from fxpar.lower.flat import FlatBuckets
 from fxpar.lower.grads import StepCollectives
 from fxpar.lower.program import RankProgram
 from fxpar.lower.shapes import LocalShapes, localize
+from fxpar.mesh import Mesh
 from fxpar.rules.experts import EXPERT_OPS
 from fxpar.split import BATCH_AXIS, dp_share, splitter
 
@@ -79,7 +80,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         self._cast_weights: dict[str, tuple[str, str]] | None = None  # ZeRO-3 + mixed precision (``FlatBuckets``)
         self.recompute: frozenset[str] = prog.notes.get("recompute", frozenset())
         self.experts = ExpertLowering(self) if self.mesh.axes.get(EXPERT_AXIS, 1) > 1 else None
-        self.planned: set[str] = set()  # nodes with a planned placement change on an input (set by ``run``)
+        self.planned = {name for name, _ in prog.notes.get("redistribute", {})}  # a placement change on an input
 
     # -- redistribution ------------------------------------------------------------------
     def redistribute(self, producer: str, dst: Placements, steps: tuple[Step, ...], module: str) -> fx.Node:
@@ -131,7 +132,6 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         """Lower every global node in order. The site's source line and global node are those of the last op
         lowered: placeholders and outputs keep them (and so do the once-per-step graphs built after the walk)."""
         plan = self.prog.notes["redistribute"]
-        self.planned = {name for name, _ in plan}  # the nodes some input of which changes placement
         last = Site()
         for node in self.prog.graph.nodes:
             prov = self.prog.provenance.get(node.name)
@@ -166,7 +166,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         self.env[node.name] = new
         if self.zero3 and self.param_fqn.get(node.name) in self.zero:
             self.zero3_shard(node.name, new)
-        n_dp, n_ep = self.batch_sharded(p, BATCH_AXIS), self.batch_sharded(p, EXPERT_AXIS)
+        n_dp, n_ep = batch_sharded(self.mesh, p, BATCH_AXIS), batch_sharded(self.mesh, p, EXPERT_AXIS)
         if is_tangent and n_dp * n_ep > 1 and self.loss_outputs:
             # Each dp rank differentiates its own local (batch-mean) loss; dividing the incoming gradient
             # by dp makes parameter gradients the mean over dp ranks, as DDP and FSDP do. With a batch dp
@@ -181,11 +181,6 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
             else:
                 self.env[node.name] = self.emit(aten.mul.Tensor, (new, share), placements=p,
                                                 name=f"{node.name}_dp_share")
-
-    def batch_sharded(self, p: Placements, axis: str) -> int:
-        """The size of ``axis`` if ``p`` shards a value over it (a batch axis), else 1."""
-        n = self.mesh.axes.get(axis, 1)
-        return n if n > 1 and isinstance(p[self.mesh.axis_index(axis)], Shard) else 1
 
     def get_attr(self, node: fx.Node) -> None:
         value = getattr(self.prog.gm, node.target)
@@ -269,6 +264,12 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
             value = self.own_zero_shard(pos, value)
         return value
 
+
+
+def batch_sharded(mesh: Mesh, p: Placements, axis: str) -> int:
+    """The size of ``axis`` if ``p`` shards a value over it (a batch axis), else 1."""
+    n = mesh.axes.get(axis, 1)
+    return n if n > 1 and isinstance(p[mesh.axis_index(axis)], Shard) else 1
 
 
 def stride_order(t: torch.Tensor) -> list[int]:
