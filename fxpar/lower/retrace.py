@@ -138,7 +138,9 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
             if node.op == "call_function":
                 last = Site(source=prov.source if prov else "",
                             for_node=last.for_node if node.target in DROPPED else node.name)
-            with self.at_site(Site(prov.phase if prov else "fwd", last.source, last.for_node, self.site.recompute)):
+            site = Site(phase=prov.phase if prov else "fwd", source=last.source, for_node=last.for_node,
+                        recompute=self.site.recompute)
+            with self.at_site(site):
                 if node.op == "placeholder":
                     self.placeholder(node)
                 elif node.op == "get_attr":
