@@ -138,9 +138,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
             if node.op == "call_function":
                 last = Site(source=prov.source if prov else "",
                             for_node=last.for_node if node.target in DROPPED else node.name)
-            site = Site(phase=prov.phase if prov else "fwd", source=last.source, for_node=last.for_node,
-                        recompute=self.site.recompute)
-            with self.at_site(site):
+            with self.at_site(Site(phase=prov.phase if prov else "fwd", source=last.source, for_node=last.for_node)):
                 if node.op == "placeholder":
                     self.placeholder(node)
                 elif node.op == "get_attr":
