@@ -175,3 +175,25 @@ def test_wide_sweep_matches_single_device_at_dp2_and_tp2(family: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", fxpar.FxparWarning)
             assert_equivalent(build, {"tp": 2}, fxpar.Plan(tp="hf"), hf_families_wide.inputs(family, seed=1))
+
+
+def _logits_mean_square(out: object, targets: object = None) -> torch.Tensor:
+    return out.logits.float().pow(2).mean()
+
+
+def test_falcon_pipeline_keeps_the_tensors_its_forward_makes_as_constants() -> None:
+    """Falcon's attention makes tensors in its forward (``torch.tensor``), which the export lifts as constants. A
+    pipeline stage bakes them into its graph as the whole-model capture does: they are no stage inputs named like
+    buffers the model lacks (each rank failed to find them), and pp=2 matches the single device (fp32, rtol 1e-5)."""
+    plan = fxpar.Plan(stages=2, microbatches=2)
+    model = hf_families.builder("falcon")()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxpar.FxparWarning)  # the constants' copies have no rule: replicated
+        pm = fxpar.parallelize(model, fxpar.Mesh({"pp": 2}, fake=True), hf_families.inputs("falcon"), plan=plan,
+                               loss_fn=_logits_mean_square)
+        buffers = {name for name, _ in model.named_buffers()}
+        for stage in pm._compiled.stages:
+            assert {fqn for fqn, _ in stage.signature.buffers} <= buffers, stage.signature.buffers
+        torch.manual_seed(0)
+        assert_equivalent(hf_families.builder("falcon"), {"pp": 2}, plan, hf_families.inputs("falcon", seed=1),
+                          loss_fn=_logits_mean_square)
