@@ -24,7 +24,8 @@ def drop_identity_batch_index(gm: fx.GraphModule) -> int:
     Requires: ``index(x, [i0, i1, ...])`` with ``i0`` an ``arange(x.size(0))`` shaped ``(B, 1, ..., 1)``
     through unsqueezes or views, and every other index of the same rank with size 1 in dim 0 (so the
     broadcast shape is ``(B, *rest)``). Ensures: such ops read ``index(x, [None, i1.squeeze(0), ...])``,
-    which has the same shape and values; other ops are untouched.
+    which has the same shape and values (with no other index: ``clone(x)``, unsqueezed to the index's rank); other
+    ops are untouched.
     """
     rewritten = 0
     for n in list(gm.graph.nodes):
@@ -46,12 +47,33 @@ def drop_identity_batch_index(gm: fx.GraphModule) -> int:
                 s.meta["val"] = i.meta["val"].squeeze(0)
                 squeezed.append(s)
         i0 = indices[0]
-        n.args = (x, [None, *squeezed])
+        if rest:
+            n.args = (x, [None, *squeezed])
+        else:  # x[arange(B)[:, None, ..]]: a copy of x with ndim - 1 size-1 dims after its rows
+            _copy_with_unit_dims(gm.graph, n, x, ndim - 1)
         _erase_unused_chain(gm.graph, i0)
         rewritten += 1
     if rewritten:
         gm.recompile()
     return rewritten
+
+
+def _copy_with_unit_dims(graph: fx.Graph, n: fx.Node, x: fx.Node, k: int) -> None:
+    """``n`` becomes ``clone(x)`` (an index op needs an index tensor); its users read it with ``k`` size-1 dims
+    after dim 0, the shape the batch index gave it."""
+    meta = {key: v for key, v in n.meta.items() if key != "val"}
+    n.target, n.args = aten.clone.default, (x,)
+    n.meta["val"] = n.meta["val"].new_empty(x.meta["val"].shape)
+    users = list(n.users)
+    out = n
+    with graph.inserting_after(n):
+        for _ in range(k):
+            with graph.inserting_after(out):
+                out = graph.call_function(aten.unsqueeze.default, (out, 1))
+            out.meta.update(meta)
+            out.meta["val"] = out.args[0].meta["val"].unsqueeze(1)
+    for user in users:
+        user.replace_input_with(n, out)
 
 
 def _erase_unused_chain(graph: fx.Graph, n: fx.Node) -> None:

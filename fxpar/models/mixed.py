@@ -6,6 +6,8 @@
   (``mlp_only_layers``): 2 distinct blocks.
 * ``llama_wide_layers``: the bundled Llama with a wider MLP in every other layer (a per-layer
   config change): 2 distinct blocks.
+* ``llama4_interleaved``: HF Llama 4 text, MoE layers between dense ones (``interleave_moe_layer_step=2``) and
+  chunked attention; its masks index a tensor by the batch positions alone (``x[arange(B)[:, None, ..]]``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ def qwen3_moe_mixed(layers: int = 4) -> torch.nn.Module:
     kw = {**hf_families._decoder_kw(), "num_hidden_layers": layers}
     return hf_families._build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[1, 3], **kw)
+
+
+def llama4_interleaved(layers: int = 4) -> torch.nn.Module:
+    kw = {**hf_families._decoder_kw(), "num_hidden_layers": layers}
+    return hf_families._build("Llama4TextConfig", "Llama4ForCausalLM", num_local_experts=4, num_experts_per_tok=1,
+                              interleave_moe_layer_step=2, intermediate_size_mlp=96, head_dim=16,
+                              attention_chunk_size=8, **kw)
 
 
 def llama_wide_layers(layers: int = 4, wide: int = 96, **config: int) -> Llama:
