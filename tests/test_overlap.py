@@ -10,8 +10,9 @@ import torch
 from fxpar.backends.comm import bind_groups, group_arg_index
 
 import fxpar
+from fxpar.lower.overlap import GLOO_ENV
 from fxpar.models.llama import llama, llama_plan
-from fxpar.testing import assert_equivalent
+from fxpar.testing import RankPool, assert_equivalent
 from fxpar.testing.error_models import next_token_loss
 
 TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -23,16 +24,32 @@ def _compile(axes: dict[str, int], layers: int = 2, **plan: object) -> fxpar.Par
                              plan=fxpar.Plan(tp=llama_plan() if "tp" in axes else {}, **plan))
 
 
-def _check(axes: dict[str, int], **plan: object) -> list:
+@pytest.fixture(autouse=True)
+def _in_flight_on_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programs lowered here keep a collective in flight beside compute on gloo too (``FXPAR_GLOO_IN_FLIGHT``;
+    gloo's default waits for each at once), so that the reordering is what the checks see."""
+    monkeypatch.setenv(GLOO_ENV, "process")
+
+
+@pytest.fixture(scope="module")
+def in_flight_pool() -> object:
+    """Gloo ranks whose programs keep one collective in flight (the shared pool's ranks use gloo's default)."""
+    pool = RankPool(env={GLOO_ENV: "process"})
+    yield pool
+    pool.close()
+
+
+def _check(axes: dict[str, int], pool: RankPool, **plan: object) -> list:
     return assert_equivalent(partial(llama, n_layers=2), axes, fxpar.Plan(tp=llama_plan(), **plan), (TOKENS,),
-                             steps=3, loss_fn=next_token_loss, targets=TOKENS)
+                             steps=3, loss_fn=next_token_loss, targets=TOKENS, pool=pool)
 
 
 @pytest.mark.parametrize("extra", [{}, {"zero": 3, "sequence_parallel": True}, {"zero": 2, "recompute": "full"}],
                          ids=["dp2xtp2", "zero3+sp", "zero2+recompute"])
-def test_overlap_matches_single_device_and_is_bitwise_the_unoverlapped_program(extra: dict) -> None:
-    on = _check({"dp": 2, "tp": 2}, overlap=True, bucket_mb=0.05, **extra)
-    off = _check({"dp": 2, "tp": 2}, overlap=False, **extra)
+def test_overlap_matches_single_device_and_is_bitwise_the_unoverlapped_program(extra: dict,
+                                                                              in_flight_pool: RankPool) -> None:
+    on = _check({"dp": 2, "tp": 2}, in_flight_pool, overlap=True, bucket_mb=0.05, **extra)
+    off = _check({"dp": 2, "tp": 2}, in_flight_pool, overlap=False, **extra)
     assert [r.losses for r in on] == [r.losses for r in off]  # same arithmetic, reordered issue and wait
 
 
@@ -109,23 +126,44 @@ def _most_in_flight(graph: torch.fx.Graph, per_group: bool = True) -> int:
     return most
 
 
-def test_gloo_keeps_one_collective_in_flight_per_process_with_compute_beside_it() -> None:
-    # gloo corrupts the heap with several collectives in flight (bench/gloo_in_flight.py, bench/README.md
-    # section 12): on a CPU mesh a rank program has one in flight at a time, over all its groups
+def _waits_at_once(graph: torch.fx.Graph) -> bool:
+    """Whether every collective's wait is the node right after its issue."""
+    nodes = list(graph.nodes)
+    return all(nodes[i + 1].target is c10d.wait_tensor.default and nodes[i + 1].args[0] is n
+               for i, n in enumerate(nodes) if group_arg_index(n.target) is not None)
+
+
+@pytest.mark.parametrize("setting", ["default", "process"])
+def test_gloo_waits_each_collective_at_once_unless_told_to_keep_one_in_flight(
+        setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # gloo corrupts the heap while a collective is in flight beside compute (bench/gloo_in_flight.py,
+    # bench/README.md section 12): by default a CPU mesh's rank program waits for each right after its issue;
+    # FXPAR_GLOO_IN_FLIGHT=process keeps one in flight at a time, over all its groups, with compute beside it
+    if setting == "default":
+        monkeypatch.delenv(GLOO_ENV)
     pm = fxpar.parallelize(llama(n_layers=3), fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), (TOKENS,),
                            plan=fxpar.Plan(tp=llama_plan(), zero=3, overlap=True, bucket_mb=0.05))
     rp = pm.rank_program(0)
-    assert len({n.args[group_arg_index(n.target)] for g in (rp.forward, rp.backward) for n in g.graph.nodes
+    graphs = [rp.forward.graph, rp.backward.graph]
+    assert len({n.args[group_arg_index(n.target)] for g in graphs for n in g.nodes
                 if group_arg_index(n.target) is not None}) == 2  # dp's and tp's
-    assert max(_most_in_flight(g.graph, per_group=False) for g in (rp.forward, rp.backward)) == 1
+    assert max(_most_in_flight(g, per_group=False) for g in graphs) == 1
     fxpar.verify(pm)
-    nodes = list(rp.backward.graph.nodes)
-    waits = {n.args[0]: n for n in nodes if n.target is c10d.wait_tensor.default}
-    assert any(any(m.target is aten.mm.default for m in nodes[nodes.index(c) + 1: nodes.index(w)])
-               for c, w in waits.items())
+    assert all(_waits_at_once(g) for g in graphs) == (setting == "default")
+    if setting == "process":
+        nodes = list(rp.backward.graph.nodes)
+        waits = {n.args[0]: n for n in nodes if n.target is c10d.wait_tensor.default}
+        assert any(any(m.target is aten.mm.default for m in nodes[nodes.index(c) + 1: nodes.index(w)])
+                   for c, w in waits.items())
 
 
-@pytest.mark.parametrize("in_flight", ["many", "group", "process"])
+def test_a_gloo_setting_that_does_not_exist_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(GLOO_ENV, "two")
+    with pytest.raises(ValueError, match="FXPAR_GLOO_IN_FLIGHT='two': expected one of many, group, process, none"):
+        _compile({"dp": 2}).rank_program(0)
+
+
+@pytest.mark.parametrize("in_flight", ["many", "group", "process", "none"])
 def test_overlap_bounds_collectives_in_flight_only_when_asked(in_flight: str) -> None:
     g = torch.fx.Graph()
     x = g.placeholder("x")
@@ -136,9 +174,12 @@ def test_overlap_bounds_collectives_in_flight_only_when_asked(in_flight: str) ->
     g.output((*waits, *mms, g.call_function(c10d.wait_tensor.default, (other,))))
     fxpar.lower.overlap.overlap(g, in_flight)
     assert _most_in_flight(g) == (3 if in_flight == "many" else 1)
-    assert _most_in_flight(g, per_group=False) == {"many": 4, "group": 2, "process": 1}[in_flight]
+    assert _most_in_flight(g, per_group=False) == {"many": 4, "group": 2, "process": 1, "none": 1}[in_flight]
     nodes = list(g.nodes)
-    assert nodes.index(other) < nodes.index(mms[0])  # tp's collective is issued early in every mode
+    if in_flight == "none":
+        assert _waits_at_once(g)
+    else:
+        assert nodes.index(other) < nodes.index(mms[0])  # tp's collective is issued early in every other mode
 
 
 def test_bound_gradient_buckets_reduce_in_place_while_the_program_prints_the_functional_op() -> None:

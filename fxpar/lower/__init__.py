@@ -80,7 +80,7 @@ def inline_reductions(lw: Lowerer, rp: RankProgram) -> RankProgram:
 def reorder_for_overlap(lw: Lowerer, rp: RankProgram) -> RankProgram:
     if lw.prog.notes.get("overlap") is None:
         return rp
-    in_flight = issue_order.GLOO_IN_FLIGHT if lw.prog.mesh.device == "cpu" else "many"  # see fxpar.lower.overlap
+    in_flight = issue_order.gloo_in_flight() if lw.prog.mesh.device == "cpu" else "many"  # see fxpar.lower.overlap
     for gm in (rp.forward, rp.backward):
         issue_order.overlap(gm.graph, in_flight)
         gm.recompile()

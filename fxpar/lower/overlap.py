@@ -13,20 +13,23 @@ collectives on its own threads, NCCL on its own stream):
   while the current block computes (FSDP's one-block prefetch), not every block's at once;
 * ``in_flight`` bounds how many collectives run at once. ``"many"`` (NCCL meshes) keeps every collective in
   flight as long as it can be. ``"group"`` keeps at most one in flight per process group and ``"process"``
-  (gloo, i.e. CPU meshes: ``GLOO_IN_FLIGHT``) at most one in the whole rank program: the wait of the
-  previous collective moves up to just before the next issue. Gloo in torch 2.13 corrupts the heap now and
-  then (glibc "malloc(): unaligned tcache chunk detected") with several functional collectives in flight on
-  one process group, and, more rarely, with one per group on two groups (``bench/gloo_in_flight.py``,
-  bench/README.md section 12); one per process has not lost a rank there. Compute still runs while the
-  collective is in flight.
+  at most one in the whole rank program: the wait of the previous collective moves up to just before the
+  next issue. ``"none"`` (gloo, i.e. CPU meshes: ``gloo_in_flight()``) leaves every wait right after its
+  issue, as lowering emits them. Gloo in torch 2.13 corrupts the heap now and then (glibc "malloc():
+  unaligned tcache chunk detected") while a functional collective is in flight and the issuing thread
+  computes: with several in flight on one process group about once per 70,000 batches of collectives, one per
+  group on two groups once per 180,000, one per process once in about 790,000 (``bench/gloo_in_flight.py``,
+  bench/README.md section 12); waiting at once has not lost a rank there. ``FXPAR_GLOO_IN_FLIGHT=process``
+  (or ``group``, ``many``) trades that for compute beside each collective, as DDP and FSDP2 do on gloo.
 
 Compute nodes keep their order and no value changes: results are bitwise those of the unreordered graph.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.fx as fx
@@ -35,17 +38,28 @@ from fxpar.backends.comm import c10d, group_arg_index
 from fxpar.ir import BLOCK
 
 aten = torch.ops.aten
-InFlight = Literal["many", "group", "process"]
-GLOO_IN_FLIGHT: InFlight = "process"  # the fastest setting that never lost a rank (bench/README.md section 12)
+InFlight = Literal["many", "group", "process", "none"]
+GLOO_IN_FLIGHT: InFlight = "none"  # the fastest setting that never lost a rank (bench/README.md section 12)
+GLOO_ENV = "FXPAR_GLOO_IN_FLIGHT"
 # layout-only ops that move with the collective they feed or unpack
 CHEAP = {aten.movedim.int, aten.clone.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
          aten.cat.default, aten.slice.Tensor, aten.permute.default, aten.constant_pad_nd.default, aten.t.default,
          aten.transpose.int, aten.view.dtype}
 
 
+def gloo_in_flight() -> InFlight:
+    """How many collectives a rank program on gloo keeps in flight: ``$FXPAR_GLOO_IN_FLIGHT``, else
+    ``GLOO_IN_FLIGHT`` (``"none"``: each waited right after its issue)."""
+    value = os.environ.get(GLOO_ENV, GLOO_IN_FLIGHT)
+    if value not in get_args(InFlight):
+        raise ValueError(f"{GLOO_ENV}={value!r}: expected one of {', '.join(get_args(InFlight))}")
+    return value  # type: ignore[return-value]
+
+
 def overlap(graph: fx.Graph, in_flight: InFlight = "many") -> int:
     """Reorder ``graph`` in place as the module docstring says; returns how many collectives end up with compute
-    between their issue and their wait. ``in_flight``: ``"many"``, or at most one per ``"group"`` or ``"process"``.
+    between their issue and their wait. ``in_flight``: ``"many"``, at most one per ``"group"`` or ``"process"``,
+    or ``"none"`` (each wait moves to right after its issue, where lowering emits it).
 
     The cheap layout copies that only prepare a collective's input (``movedim``, ``clone``, a bucket's
     ``cat``) move up with it, and those that only unpack its result (``slice``, ``view``) move down with
@@ -57,6 +71,11 @@ def overlap(graph: fx.Graph, in_flight: InFlight = "many") -> int:
     if not issues:
         return 0
     wait_of = {n.args[0]: n for n in nodes if n.target is c10d.wait_tensor.default and n.args[0] in issue_set}
+    if in_flight == "none":  # each wait right after its issue
+        for c in issues:
+            if c in wait_of:
+                c.append(wait_of[c])
+        return 0
     prep = _prep_nodes(issues)
     order = _Order([n for n in nodes if n not in issue_set and n not in prep])
     first = order.first()
