@@ -18,12 +18,6 @@ from typing import Any
 
 import torch
 
-# fxpar on gloo waits for each collective right after issuing it by default (bench/README.md section 12: gloo
-# corrupts the heap now and then while one is in flight beside compute). The step-time benches compare fxpar with
-# DDP, FSDP2, DTensor and torch.distributed.pipelining, which keep theirs in flight on gloo: fxpar keeps one in
-# flight too, as it did by default when their tables were measured. Ranks inherit it when they are spawned.
-os.environ.setdefault("FXPAR_GLOO_IN_FLIGHT", "process")
-
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(BENCH_DIR, "results")
 README = os.path.join(BENCH_DIR, "README.md")

@@ -4,15 +4,16 @@ One command, one launch of 4 gloo ranks (``dp=2 x tp=2``), a few minutes on 2 co
 
     .venv/bin/python bench/gloo_default.py
 
-``fxpar.lower.overlap`` waits for each collective right after issuing it on gloo (``GLOO_IN_FLIGHT = "none"``,
-section 12 says why); ``FXPAR_GLOO_IN_FLIGHT=process`` keeps one in flight per rank program beside compute, and
-``group`` one per process group. This measures what each costs. Systems, each the bundled Llama (seed 0) under
-``Plan(tp=llama_plan(), zero=3, bucket_mb=1)``:
+``fxpar.lower.overlap`` keeps at most one collective in flight per rank program on gloo (``GLOO_IN_FLIGHT =
+"process"``, section 12 says why). On a one-group mesh that is the same program as one per group; with dp and
+tp both moving data it is not: a dp prefetch or bucket is waited before the next tp all-reduce is issued. This
+measures what that costs. Systems, each the bundled Llama (seed 0) under ``Plan(tp=llama_plan(), zero=3,
+bucket_mb=1)``:
 
-* ``wait at once`` (the default since session 44): ``"none"``; the overlap pass's buckets and flat ZeRO
+* ``one per process`` (the default): ``GLOO_IN_FLIGHT = "process"``;
+* ``wait at once``: ``"none"`` (``FXPAR_GLOO_IN_FLIGHT=none``): the overlap pass's buckets and flat ZeRO
   collectives, each waited right after its issue;
-* ``one per process`` (the default from session 38 to 43): ``"process"``;
-* ``one per group`` (the default before session 38): ``"group"``;
+* ``one per group`` (the default before session 38): ``GLOO_IN_FLIGHT = "group"``;
 * ``overlap off``: ``Plan(overlap=False)``, every wait right after its issue, and no buckets.
 
 Step time: ``pm.step`` + AdamW, max over ranks, median of ``STEPS`` steps in interleaved rounds. Each rank
@@ -40,8 +41,8 @@ COMMAND = ".venv/bin/python bench/gloo_default.py"
 MESH = {"dp": 2, "tp": 2}
 BATCH, SEQ = 8, 64
 WARMUP, STEPS, ROUNDS = 2, 24, 4
-SYSTEMS = {"wait at once (default)": ("none", True), "one per process": ("process", True),
-           "one per group": ("group", True), "overlap off": ("none", False)}
+SYSTEMS = {"one per process (default)": ("process", True), "wait at once": ("none", True),
+           "one per group": ("group", True), "overlap off": ("process", False)}
 
 
 def rank_main() -> dict[str, Any]:
@@ -51,7 +52,7 @@ def rank_main() -> dict[str, Any]:
     out: dict[str, Any] = {}
     runs = {}
     default = issue_order.GLOO_IN_FLIGHT
-    os.environ.pop(issue_order.GLOO_ENV, None)  # each system sets its own (bench/common.py sets "process")
+    os.environ.pop(issue_order.GLOO_ENV, None)  # each system sets its own
     for name, (in_flight, on) in SYSTEMS.items():
         torch.manual_seed(0)
         plan = fxpar.Plan(tp=llama_plan(), zero=3, overlap=on, bucket_mb=1)

@@ -21,9 +21,8 @@
 7. ZeRO-3 with overlap on gloo (CI, and ``pp=2 x dp=2`` interleaved-1f1b examples): a rank died natively,
    "malloc(): unaligned tcache chunk detected", about once per 20 runs. Gloo corrupts the heap now and then when
    several functional collectives are in flight on one process group (``bench/gloo_in_flight.py`` reproduces it
-   with plain torch); overlap kept one in flight per group on gloo, from session 38 one per rank program, and
-   since session 44 (one per rank program lost a rank once in about 790,000 batches) each is waited right after
-   its issue (``tests/test_overlap.py``; bench/README.md section 12).
+   with plain torch); overlap kept one in flight per group on gloo, and since session 38 one per rank program
+   (``tests/test_overlap.py``; bench/README.md section 12: rarer still, but no gloo setting is free of it).
 """
 
 from __future__ import annotations

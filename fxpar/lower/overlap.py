@@ -13,14 +13,14 @@ collectives on its own threads, NCCL on its own stream):
   while the current block computes (FSDP's one-block prefetch), not every block's at once;
 * ``in_flight`` bounds how many collectives run at once. ``"many"`` (NCCL meshes) keeps every collective in
   flight as long as it can be. ``"group"`` keeps at most one in flight per process group and ``"process"``
-  at most one in the whole rank program: the wait of the previous collective moves up to just before the
-  next issue. ``"none"`` (gloo, i.e. CPU meshes: ``gloo_in_flight()``) leaves every wait right after its
-  issue, as lowering emits them. Gloo in torch 2.13 corrupts the heap now and then (glibc "malloc():
-  unaligned tcache chunk detected") while a functional collective is in flight and the issuing thread
-  computes: with several in flight on one process group about once per 70,000 batches of collectives, one per
-  group on two groups once per 180,000, one per process once in about 790,000 (``bench/gloo_in_flight.py``,
-  bench/README.md section 12); waiting at once has not lost a rank there. ``FXPAR_GLOO_IN_FLIGHT=process``
-  (or ``group``, ``many``) trades that for compute beside each collective, as DDP and FSDP2 do on gloo.
+  (gloo, i.e. CPU meshes: ``gloo_in_flight()``) at most one in the whole rank program: the wait of the
+  previous collective moves up to just before the next issue. ``"none"`` leaves every wait right after its
+  issue. Gloo in torch 2.13 corrupts the heap now and then (glibc "malloc(): unaligned tcache chunk
+  detected"), and a rank dies: in ``bench/gloo_in_flight.py`` (bench/README.md section 12) about once per
+  70,000 batches of functional collectives with several in flight on one process group, once per 180,000
+  with one per group on two groups, once in about 790,000 with one per process, and once in about 165,000
+  with each waited right after its issue. No setting is free of it; one per process has the fewest losses
+  per batch and still runs compute beside each collective. ``FXPAR_GLOO_IN_FLIGHT`` picks another setting.
 
 Compute nodes keep their order and no value changes: results are bitwise those of the unreordered graph.
 """
@@ -39,7 +39,7 @@ from fxpar.ir import BLOCK
 
 aten = torch.ops.aten
 InFlight = Literal["many", "group", "process", "none"]
-GLOO_IN_FLIGHT: InFlight = "none"  # the fastest setting that never lost a rank (bench/README.md section 12)
+GLOO_IN_FLIGHT: InFlight = "process"  # the fewest ranks lost per batch of collectives (bench/README.md section 12)
 GLOO_ENV = "FXPAR_GLOO_IN_FLIGHT"
 # layout-only ops that move with the collective they feed or unpack
 CHEAP = {aten.movedim.int, aten.clone.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
@@ -49,7 +49,7 @@ CHEAP = {aten.movedim.int, aten.clone.default, aten.reshape.default, aten.view.d
 
 def gloo_in_flight() -> InFlight:
     """How many collectives a rank program on gloo keeps in flight: ``$FXPAR_GLOO_IN_FLIGHT``, else
-    ``GLOO_IN_FLIGHT`` (``"none"``: each waited right after its issue)."""
+    ``GLOO_IN_FLIGHT``."""
     value = os.environ.get(GLOO_ENV, GLOO_IN_FLIGHT)
     if value not in get_args(InFlight):
         raise ValueError(f"{GLOO_ENV}={value!r}: expected one of {', '.join(get_args(InFlight))}")
