@@ -8,7 +8,9 @@ alternates the batch between the ``dp`` and ``pp`` groups and keeps at most one 
 (the next issue on a group first waits for its previous one): what ``fxpar.lower.overlap`` did on gloo from
 session 18. ``--policy one-per-process`` alternates the groups too but keeps one collective in flight in the whole
 process: what it does on gloo since session 38;
-``--policy off`` waits for each collective right after issuing it (``Plan(overlap=False)``). A run
+``--policy off`` waits for each collective right after issuing it (``Plan(overlap=False)``); ``--policy
+classic`` is one-per-process through the classic ``torch.distributed`` API (``async_op=True`` and
+``work.wait()``, as DDP and FSDP2 call gloo) instead of the functional collectives fxpar's programs call. A run
 survives or a rank dies natively (glibc: "malloc(): unaligned tcache chunk detected", "free(): invalid
 pointer"); the script prints how many runs survived. About 2 minutes per run on 2 cores::
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -42,9 +45,38 @@ def _issue(rng: random.Random, group: str) -> torch.Tensor:
     return c10d.all_reduce(x, "sum", group)
 
 
+def _issue_classic(rng: random.Random, group: dist.ProcessGroup) -> dist.Work:
+    """The same draw as ``_issue``, through the classic ``torch.distributed`` API (what DDP and FSDP2 call)."""
+    x = torch.randn(rng.choice(SIZES), 3)
+    kind = rng.choice(["reduce_scatter", "all_gather", "all_reduce"])
+    if kind == "reduce_scatter":
+        return dist.reduce_scatter_tensor(x.new_empty(x.shape[0] // 2, 3), x, group=group, async_op=True)
+    if kind == "all_gather":
+        return dist.all_gather_into_tensor(x.new_empty(x.shape[0] * 2, 3), x, group=group, async_op=True)
+    return dist.all_reduce(x, group=group, async_op=True)
+
+
+def _classic(iters: int, groups: list[dist.ProcessGroup]) -> None:
+    """``one-per-process`` through the classic API: each work waited before the next issue."""
+    warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames the two calls (``*_single``)
+    rng = random.Random(0)
+    for _ in range(iters):
+        pending: dist.Work | None = None
+        for i in range(rng.randint(1, 8)):
+            if pending is not None:
+                pending.wait()
+            pending = _issue_classic(rng, groups[i % 2])
+            torch.randn(rng.randint(1, 300))
+        if pending is not None:
+            pending.wait()
+
+
 def _batches(iters: int, policy: str) -> str:
     """One rank: ``iters`` batches, the same sequence of collectives on every rank."""
     mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("pp", "dp"))
+    if policy == "classic":
+        _classic(iters, [mesh.get_group("dp"), mesh.get_group("pp")])
+        return f"rank {dist.get_rank()} survived"
     groups = [mesh.get_group("dp").group_name, mesh.get_group("pp").group_name]
     rng = random.Random(0)
     for _ in range(iters):
@@ -83,7 +115,8 @@ def _batches(iters: int, policy: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--policy", choices=["many", "one-per-group", "one-per-process", "off"], required=True)
+    parser.add_argument("--policy", choices=["many", "one-per-group", "one-per-process", "off", "classic"],
+                        required=True)
     parser.add_argument("--iters", type=int, default=30000)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
