@@ -252,3 +252,16 @@ def test_a_rule_answering_in_another_shape_is_ignored_with_a_warning(monkeypatch
     assert "aten.mm.default answered with 1 input and 1 output placements where the op has 2 tensor inputs" in said
     assert "aten.native_layer_norm.default answered with 3 input and 1 output placements" in said
     assert "all_gather" in pm.program(0)  # the batch is gathered for the replicated nodes, as for an unknown op
+
+
+@pytest.mark.parametrize("shape", [(1,), (4, 6)])
+def test_a_copy_of_a_tensor_made_in_forward_keeps_any_placement(shape: tuple[int, ...]) -> None:
+    """``lift_fresh_copy`` (``torch.tensor(...)`` in a model's forward, e.g. Falcon's attention) had no rule and ran
+    replicated with a warning; every candidate of its rule computes the copy on real shards."""
+    op = aten.lift_fresh_copy.default
+    x = torch.randn(shape)
+    found = candidates(op, (x,), {}, [Replicate()], 2)
+    assert {c.output for c in found} >= {Replicate(), Partial()} | {Shard(d) for d in range(len(shape))
+                                                                   if shape[d] >= 2}
+    for cand in found:
+        check_candidate(op, (x,), {}, cand, 2)
