@@ -66,12 +66,11 @@ def _copy_with_unit_dims(graph: fx.Graph, n: fx.Node, x: fx.Node, k: int) -> Non
     n.meta["val"] = n.meta["val"].new_empty(x.meta["val"].shape)
     users = list(n.users)
     out = n
-    with graph.inserting_after(n):
-        for _ in range(k):
-            with graph.inserting_after(out):
-                out = graph.call_function(aten.unsqueeze.default, (out, 1))
-            out.meta.update(meta)
-            out.meta["val"] = out.args[0].meta["val"].unsqueeze(1)
+    for _ in range(k):
+        with graph.inserting_after(out):
+            out = graph.call_function(aten.unsqueeze.default, (out, 1))
+        out.meta.update(meta)
+        out.meta["val"] = out.args[0].meta["val"].unsqueeze(1)
     for user in users:
         user.replace_input_with(n, out)
 
