@@ -239,7 +239,7 @@ class StepExecutor:
             return
         acc = st.grads.stage(s)
         names = [fqn for _, fqn in r.spec.deferred]
-        acc.update(zip(names, r.reduce(*[acc[fqn] for fqn in names]), strict=True))
+        st.grads.replace(s, dict(zip(names, r.reduce(*[acc[fqn] for fqn in names]), strict=True)))
 
     def totals(self, st: StepState) -> dict[str, torch.Tensor]:
         """Each gradient summed over this rank's stages (once every reduction has run)."""

@@ -3,10 +3,15 @@
 The first microbatch's gradient is kept as the graph returned it (it may alias another output, e.g. a slice
 of a reduced bucket); the second is added out of place, and only sums made that way are added to in place.
 Gradients whose memory overlaps another of the same backward are copied first, so a user's in-place op on
-one ``p.grad`` cannot reach another.
+one ``p.grad`` cannot reach another. A gradient that is a slice of a larger buffer its fellow gradients do not
+fill (a rank's shard cut from a gradient every rank computed whole, as MoE experts' under ZeRO with mixed
+precision) is copied too, so the rest of that buffer is freed and ``.grad`` holds the shard's bytes alone,
+as ``pm.memory`` counts them.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
@@ -27,7 +32,7 @@ class GradSums:
         """Add one microbatch's gradients of stage ``s`` (``None``: the parameter got no gradient)."""
         acc = self._sums[s]
         first = any(fqn not in acc for fqn in grads)
-        shared = overlapping(list(grads.values())) if first else set()
+        shared = overlapping(list(grads.values())) | cut_from_larger(list(grads.values())) if first else set()
         for fqn, g in grads.items():
             if g is None:
                 continue
@@ -39,6 +44,11 @@ class GradSums:
                 self._borrowed.discard((s, fqn))
             else:
                 acc[fqn].add_(g)
+
+    def replace(self, s: int, reduced: dict[str, torch.Tensor]) -> None:
+        """Stage ``s``'s sums replaced by a reduction's outputs (copied where cut from a larger buffer)."""
+        cut = cut_from_larger(list(reduced.values()))
+        self._sums[s].update({fqn: g.clone() if id(g) in cut else g for fqn, g in reduced.items()})
 
     def totals(self) -> dict[str, torch.Tensor]:
         """Each gradient summed over the stages (a parameter tied across stages this rank holds adds up)."""
@@ -66,4 +76,18 @@ def overlapping(tensors: list[torch.Tensor | None]) -> set[int]:
             out.update((i, owner))
         if stop > end:
             end, owner = stop, i
+    return out
+
+
+def cut_from_larger(tensors: list[torch.Tensor | None]) -> set[int]:
+    """The ids of the tensors among ``tensors`` that view a storage the tensors viewing it do not fill: keeping
+    them would keep the rest of that storage alive (slices of one bucket that together fill it are left alone)."""
+    by_storage: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        if t is not None and t.numel():
+            by_storage[t.untyped_storage().data_ptr()].append(t)
+    out: set[int] = set()
+    for views in by_storage.values():
+        if sum(t.numel() * t.element_size() for t in views) < views[0].untyped_storage().nbytes():
+            out.update(id(t) for t in views)
     return out

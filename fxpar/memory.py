@@ -21,7 +21,8 @@
   count once. With zb-h1, a set is released after its ``W`` (an upper bound: some of it dies at
   ``B``);
 * ``transient``: the largest set of temporaries alive at once inside one forward or backward graph,
-  beyond its inputs (liveness over the graph's node order; a view is free);
+  beyond its inputs (liveness over the graph's node order; a view is free; a backward's output cut from a
+  larger buffer keeps the rest of it alive until the graph returns);
 * ``peak`` = params + grads + optimizer + activations + transient.
 """
 
@@ -103,7 +104,8 @@ def predict(c: Compiled, rank: int) -> Memory:
                 grad_bytes[fqn] = shard + (full if fqn in rp.zero and c.plan.zero == 1 else 0)
                 whole_grads[s] = whole_grads.get(s, 0) + (full if fqn in rp.zero else 0)
         saved[s] = saved_bytes(rp.forward, prog.signature.num_outputs)
-        backward_end = largest_live_set(rp.backward) + (whole_grads.get(s, 0) if c.plan.zero >= 2 else 0)
+        unreduced = whole_grads.get(s, 0) if c.plan.zero >= 2 else 0
+        backward_end = largest_live_set(rp.backward, output_excess=True) + unreduced
         transient = max(transient, largest_live_set(rp.forward), backward_end)
     return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
                   _activations_in_flight(c, rank, saved), transient)
@@ -134,10 +136,16 @@ def saved_bytes(forward: fx.GraphModule, num_outputs: int) -> int:
     return sum(nbytes(r) for r in roots if r.op != "placeholder")
 
 
-def largest_live_set(gm: fx.GraphModule) -> int:
-    """Max over the graph's node order of the bytes of temporaries alive at once (not inputs, not outputs)."""
+def largest_live_set(gm: fx.GraphModule, output_excess: bool = False) -> int:
+    """Max over the graph's node order of the bytes of temporaries alive at once (not inputs, not outputs).
+
+    ``output_excess``: an output that is a slice of a larger buffer (a rank's gradient shard cut from a gradient
+    computed whole) keeps the rest of that buffer alive from its creation to the graph's end; count that rest
+    (the backward's outputs are counted elsewhere at their own size; a forward's saved buffers count whole)."""
     nodes = list(gm.graph.nodes)
-    outputs = {storage_root(o) for o in gm.graph.output_node().args[0] if isinstance(o, fx.Node)}
+    outs = [o for o in gm.graph.output_node().args[0] if isinstance(o, fx.Node)]
+    outputs = {storage_root(o) for o in outs}
+    excess = _output_excess(outs) if output_excess else {}
     last_use: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
@@ -149,10 +157,21 @@ def largest_live_set(gm: fx.GraphModule) -> int:
         if n.op == "call_function" and root is n and n not in outputs and n in last_use:
             alive[n] = nbytes(n)
             live += alive[n]
+        live += excess.get(n, 0)  # never released before the graph returns
         peak = max(peak, live)
         for a in [a for a, end in last_use.items() if end == i and a in alive]:
             live -= alive.pop(a)
     return peak
+
+
+def _output_excess(outs: list[fx.Node]) -> dict[fx.Node, int]:
+    """Output storage roots -> their bytes beyond the distinct outputs that view them (none for a bucket its
+    slices fill)."""
+    used: dict[fx.Node, int] = {}
+    for o in dict.fromkeys(outs):
+        root = storage_root(o)
+        used[root] = used.get(root, 0) + nbytes(o)
+    return {root: nbytes(root) - n for root, n in used.items() if root.op == "call_function" and nbytes(root) > n}
 
 
 def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int]) -> int:

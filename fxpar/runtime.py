@@ -20,6 +20,7 @@ from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
 from fxpar.estimate import Estimate
 from fxpar.estimate import estimate as estimate_step
 from fxpar.executor import LossFn, StageRunner, StepExecutor
+from fxpar.grad_sums import cut_from_larger
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow, RankProgram
 from fxpar.memory import Memory
@@ -66,8 +67,10 @@ class _RankStep(torch.autograd.Function):
                 param_grads[pos] = g
         out: list[torch.Tensor | None] = [None] * ctx.n_inputs
         order = {fqn: i for i, fqn in enumerate(runner.param_fqns)}
+        cut = cut_from_larger([param_grads[pos] for pos in runner.grad_fqn])  # keep a shard, not its whole
         for pos, fqn in runner.grad_fqn.items():
-            out[order[fqn]] = param_grads[pos]
+            g = param_grads[pos]
+            out[order[fqn]] = g.clone() if id(g) in cut else g
         return (None, *out)
 
 

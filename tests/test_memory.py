@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fxpar
+from fxpar.memory import largest_live_set
 from fxpar.models.llama import llama, llama_plan
 from fxpar.testing import default_pool
 from fxpar.testing.error_models import next_token_loss
@@ -84,3 +85,23 @@ def test_pipeline_activations_are_the_sets_the_schedule_keeps_in_flight() -> Non
     for r in results:
         mem = r["predicted"]
         assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
+
+
+def test_a_backward_output_cut_from_a_larger_buffer_keeps_the_rest_alive() -> None:
+    """A gradient shard sliced from a gradient computed whole is an output of the backward, counted in ``grads`` at
+    its own size; the rest of the whole buffer stays alive until the graph returns and counts as transient. Slices
+    that together fill their buffer (a reduced bucket) add nothing."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def shard_of_whole(x: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((x * 2)[:1],)  # 4 x 16 floats computed, 1 x 16 kept (a rank graph returns a tuple)
+
+    def bucket_slices(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        return y[:1], y[1:]
+
+    x = torch.randn(4, 16)
+    cut, filled = make_fx(shard_of_whole)(x), make_fx(bucket_slices)(x)
+    assert largest_live_set(cut) == 0 and largest_live_set(filled) == 0  # outputs are counted elsewhere
+    assert largest_live_set(cut, output_excess=True) == 3 * 16 * 4
+    assert largest_live_set(filled, output_excess=True) == 0

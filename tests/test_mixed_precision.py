@@ -20,7 +20,7 @@ from fxpar.errors import PlanError
 from fxpar.models.llama import llama, llama_plan
 from fxpar.testing import assert_equivalent, default_pool
 from fxpar.testing.error_models import next_token_loss
-from fxpar.testing.probes import measured_memory
+from fxpar.testing.probes import grad_storage_after_backward, measured_memory
 
 BF16, FP32 = torch.bfloat16, torch.float32
 TOKENS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -105,6 +105,28 @@ def test_memory_equals_local_storage_after_a_real_step(zero: int) -> None:
         assert mem.activations == r["saved_per_microbatch"]
         if zero == 1:
             assert (mem.params, mem.optimizer) == (4 * psi // 2 + 2 * psi, 8 * psi // 2)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_moe_expert_gradient_shards_hold_only_their_own_bytes(zero: int) -> None:
+    """Under mixed precision each rank computes an MoE expert weight's gradient whole (gathering the routed tokens
+    moves fewer bytes than reducing the experts' gradients) and keeps its dp shard. That shard was a slice of the
+    whole fp32 gradient, whose storage ``.grad`` kept alive (dp times the shard); it is copied now, so the storage
+    a real step leaves is what ``pm.memory`` says (the ZeRO-1 working copy and whole gradient live inside the step)."""
+    pytest.importorskip("transformers")
+    from fxpar.models import hf_families
+
+    plan, tokens = fxpar.Plan(zero=zero, **MIXED), hf_families.inputs("mixtral")[0]
+    for r in default_pool().run(measured_memory, 2, hf_families.mixtral, {"dp": 2}, plan, tokens, next_token_loss,
+                                timeout=300):
+        mem, copy = r["predicted"], r["working_copy"]
+        whole_grads = 2 * copy if zero == 1 else 0  # fp32 gradients of the bf16 working copy's elements
+        assert (mem.params - copy, mem.grads - whole_grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
+        assert mem.optimizer == 2 * r["params"]  # Adam's two fp32 moments per fp32 shard
+    if zero == 3:  # pm(x) + loss.backward() hands autograd the same shards
+        for grads, params in default_pool().run(grad_storage_after_backward, 2, hf_families.mixtral, {"dp": 2}, plan,
+                                                tokens, next_token_loss, timeout=300):
+            assert grads == params
 
 
 def test_dp2_tp2_matches_the_single_device_casts() -> None:

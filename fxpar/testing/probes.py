@@ -71,6 +71,22 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
             "in_flight": pm.schedule.peak_in_flight()[pm._compiled.pp_coord(rank)]}
 
 
+def grad_storage_after_backward(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor,
+                                loss_fn: Any) -> tuple[int, int]:
+    """Rank body: ``loss_fn(pm(x), x).backward()`` (autograd's path, not ``pm.step``), then the bytes of the distinct
+    storages behind the local gradients and behind the local parameters."""
+    import fxpar
+
+    torch.manual_seed(0)
+    mesh = fxpar.Mesh(mesh_axes)
+    pm = parallelize_once(model_fn, mesh, (tokens,), plan)
+    dp = mesh_axes.get("dp", 1)
+    local = tokens.chunk(dp)[mesh.coord(dist.get_rank())[mesh.axis_index("dp")]] if dp > 1 else tokens
+    loss_fn(pm(local), local).backward()
+    params = [p for p in pm.parameters() if p.grad is not None]
+    return storage_bytes([_local(p.grad) for p in params]), storage_bytes([_local(p) for p in params])
+
+
 def _train(pm: Any, opt: Any, mesh: Any, tokens: torch.Tensor, steps: int) -> list[float]:
     rank = dist.get_rank()
     dp = mesh.axes.get("dp", 1)
