@@ -3,10 +3,10 @@
 The first microbatch's gradient is kept as the graph returned it (it may alias another output, e.g. a slice
 of a reduced bucket); the second is added out of place, and only sums made that way are added to in place.
 Gradients whose memory overlaps another of the same backward are copied first, so a user's in-place op on
-one ``p.grad`` cannot reach another. A gradient that is a slice of a larger buffer its fellow gradients do not
-fill (a rank's shard cut from a gradient every rank computed whole, as MoE experts' under ZeRO with mixed
-precision) is copied too, so the rest of that buffer is freed and ``.grad`` holds the shard's bytes alone,
-as ``pm.memory`` counts them.
+one ``p.grad`` cannot reach another. A gradient cut from a buffer at least twice what the gradients viewing it
+use (a rank's shard of a gradient computed whole on every rank) is copied too, so the rest of that buffer is
+freed and ``.grad`` holds the shard's bytes, as ``pm.memory`` counts them; a bucket's slices, or a padded
+bucket's, are kept as they are.
 """
 
 from __future__ import annotations
@@ -80,14 +80,14 @@ def overlapping(tensors: list[torch.Tensor | None]) -> set[int]:
 
 
 def cut_from_larger(tensors: list[torch.Tensor | None]) -> set[int]:
-    """The ids of the tensors among ``tensors`` that view a storage the tensors viewing it do not fill: keeping
-    them would keep the rest of that storage alive (slices of one bucket that together fill it are left alone)."""
+    """The ids of the tensors among ``tensors`` that view a storage at least twice the bytes the tensors viewing it
+    use: keeping them would keep the rest alive (the slices of one bucket, padded or not, are left alone)."""
     by_storage: dict[int, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         if t is not None and t.numel():
             by_storage[t.untyped_storage().data_ptr()].append(t)
     out: set[int] = set()
     for views in by_storage.values():
-        if sum(t.numel() * t.element_size() for t in views) < views[0].untyped_storage().nbytes():
+        if 2 * sum(t.numel() * t.element_size() for t in views) <= views[0].untyped_storage().nbytes():
             out.update(id(t) for t in views)
     return out

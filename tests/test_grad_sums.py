@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.grad_sums import GradSums, overlapping
+from fxpar.grad_sums import GradSums, cut_from_larger, overlapping
 
 
 def test_one_microbatch_keeps_the_graphs_outputs_and_clones_only_overlapping_ones() -> None:
@@ -38,3 +38,19 @@ def test_overlap_is_by_memory_not_by_tensor() -> None:
     assert overlapping([left, right]) == set()
     assert overlapping([left, right, middle]) == {id(left), id(right), id(middle)}
     assert overlapping([buf.view(10, 10), buf[:10]]) != set()
+
+
+def test_a_shard_cut_from_a_whole_gradient_is_copied_so_the_whole_is_freed() -> None:
+    whole = torch.arange(40.0).view(4, 10)  # a gradient every rank computed whole; this rank keeps row 1
+    shard = whole[1:2]
+    padded = torch.arange(11.0)  # a reduced bucket with one element of padding: its slices are kept
+    a, b = padded[:5], padded[5:10]
+    sums = GradSums([0])
+    sums.add(0, {"shard": shard, "a": a, "b": b})
+    got = sums.totals()
+    assert got["a"] is a and got["b"] is b
+    assert torch.equal(got["shard"], whole[1:2])
+    assert got["shard"].untyped_storage().nbytes() == shard.numel() * shard.element_size()
+    sums.replace(0, {"shard": whole[2:3]})  # a reduction's outputs, as ZeRO-1's reduce_grads returns them
+    assert sums.stage(0)["shard"].untyped_storage().nbytes() == 10 * 4
+    assert cut_from_larger([whole[:2], whole[2:]]) == set()  # two halves that fill their buffer

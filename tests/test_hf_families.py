@@ -152,6 +152,25 @@ def test_moe_experts_run_on_each_ranks_own_tokens_with_tp_and_zero3(axes: dict[s
         assert_equivalent(hf_families.mixtral, axes, plan, hf_families.inputs("mixtral", seed=1))
 
 
+def test_moe_experts_stay_on_each_ranks_own_tokens_in_mixed_precision() -> None:
+    """Mixed precision casts each expert weight inside the experts module, before any node that reads the tokens.
+    The region's token count was once taken from that cast (none: it reads a parameter), so in bf16 the whole module
+    ran replicated on all dp ranks' tokens, all-gathered: dp times the experts' work and three all-gathers per layer.
+    Now bf16 DDP's only dp collective is the fp32 gradient all-reduce, and ZeRO-3 gathers bf16 parameters only."""
+    mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+
+    def dp_collectives(zero: int) -> set[tuple[str, torch.dtype]]:
+        pm = fxpar.parallelize(hf_families.mixtral(), fxpar.Mesh({"dp": 2}, fake=True), hf_families.inputs("mixtral"),
+                               plan=fxpar.Plan(zero=zero, **mixed))
+        return {(r.op, r.dtype) for r in pm.ledger(0) if r.axis == "dp"}
+
+    assert dp_collectives(0) == {("all_reduce", torch.float32)}
+    assert dp_collectives(3) == {("all_gather", torch.bfloat16), ("reduce_scatter", torch.float32)}
+    torch.manual_seed(0)
+    batch = hf_families.inputs("mixtral", seed=1)
+    assert_equivalent(hf_families.mixtral, {"dp": 2}, fxpar.Plan(zero=3, **mixed), batch)
+
+
 @pytest.mark.parametrize("family", ["gemma2", "t5"])
 def test_eager_attention_stays_head_sharded_at_tp(family: str) -> None:
     # eager attention's matmuls over flattened batch x heads run as fxpar::bmm4 on the 4-D tensors

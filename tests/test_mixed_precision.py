@@ -109,10 +109,10 @@ def test_memory_equals_local_storage_after_a_real_step(zero: int) -> None:
 
 @pytest.mark.parametrize("zero", [1, 3])
 def test_moe_expert_gradient_shards_hold_only_their_own_bytes(zero: int) -> None:
-    """Under mixed precision each rank computes an MoE expert weight's gradient whole (gathering the routed tokens
-    moves fewer bytes than reducing the experts' gradients) and keeps its dp shard. That shard was a slice of the
-    whole fp32 gradient, whose storage ``.grad`` kept alive (dp times the shard); it is copied now, so the storage
-    a real step leaves is what ``pm.memory`` says (the ZeRO-1 working copy and whole gradient live inside the step)."""
+    """An HF MoE's experts under mixed precision: the storage a real step leaves is what ``pm.memory`` says (the
+    ZeRO-1 working copy and whole gradient live inside the step). Each rank once computed the experts' gradients
+    whole, on all ranks' tokens (``test_hf_families.py::test_moe_experts_stay_on_each_ranks_own_tokens_in_mixed_
+    precision``), and ``.grad`` kept its shard as a slice of that whole: dp times the bytes ``pm.memory`` counted."""
     pytest.importorskip("transformers")
     from fxpar.models import hf_families
 

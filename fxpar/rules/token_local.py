@@ -55,9 +55,11 @@ class TokenLocal:
     def candidate(self, node: fx.Node, tensor_args: list[fx.Node], current: list[Placement]) -> Candidate | None:
         """The region's placements for ``node`` on the dp axis, or None when its tokens are not batch-sharded."""
         path = self.region[node.name]
-        if path not in self.tokens:
-            self.tokens[path] = self._token_count(node, tensor_args, current)
-        tokens = self.tokens[path]
+        tokens = self.tokens.get(path)
+        if tokens is None:
+            # known from the first node that reads the tokens; a node before it (mixed precision's cast of an
+            # expert weight, inside the module) reads parameters only and is placed by the usual rules
+            tokens = self.tokens[path] = self._token_count(node, tensor_args, current)
         if tokens is None:
             return None
         inputs = tuple(self._input(a, p, tokens) for a, p in zip(tensor_args, current, strict=True))
