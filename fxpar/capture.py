@@ -28,7 +28,7 @@ from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque
 from fxpar.creation_order import recording_names
 from fxpar.errors import CaptureError
 from fxpar.global_means import means_as_sums
-from fxpar.ir import Program, Provenance, Signature, fake_empty
+from fxpar.ir import SPLIT_ADDMM, Program, Provenance, Signature, fake_empty
 from fxpar.mesh import Mesh
 from fxpar.mixed_precision import computing_in
 from fxpar.moe import experts_as_ops
@@ -275,7 +275,8 @@ def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
 
 def _split_addmm(gm: fx.GraphModule) -> None:
     """``addmm(b, x, w)`` -> ``add(mm(x, w), b)``: a row-parallel Linear then reduces its partial
-    product before adding the (replicated) bias, instead of gathering its inputs."""
+    product before adding the (replicated) bias, instead of gathering its inputs. Lowering fuses the pair back
+    where the product needs no collective (``fxpar.lower.fuse_bias``)."""
     aten = torch.ops.aten
     for n in list(gm.graph.nodes):
         if n.target is aten.addmm.default and not n.kwargs:
@@ -286,6 +287,7 @@ def _split_addmm(gm: fx.GraphModule) -> None:
                 mm.meta["val"] = n.meta["val"].new_empty(n.meta["val"].shape)
                 add = gm.graph.call_function(aten.add.Tensor, (mm, bias))
                 add.meta.update(n.meta)
+                add.meta[SPLIT_ADDMM] = True  # fused again where no collective comes between (fxpar.lower.fuse_bias)
             n.replace_all_uses_with(add)
             gm.graph.erase_node(n)
     gm.recompile()

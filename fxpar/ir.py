@@ -25,6 +25,8 @@ from fxpar.mesh import Mesh
 # Placements of one tensor: one Placement per mesh axis.
 Placements = tuple[Placement, ...]
 
+SPLIT_ADDMM = "split_addmm"  # node meta: an add capture took out of an addmm (fxpar.lower.fuse_bias)
+
 
 # the first ``name.<index>`` in a module path: one entry of a repeated block (``layers.3`` of ``layers.3.mlp.up``)
 BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")

@@ -23,10 +23,11 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.compiled import Compiled
-from fxpar.ir import Program
+from fxpar.ir import SPLIT_ADDMM, Program
 from fxpar.mesh import Mesh
 
 _FUNCTIONS = {"getitem": operator.getitem}
+KEPT_META = (SPLIT_ADDMM,)  # node meta lowering reads, beside ``val``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,8 @@ def dump_program(prog: Program) -> bytes:
     nodes = []
     for n in prog.graph.nodes:
         args, kwargs = pytree.tree_map_only(fx.Node, lambda a: _Ref(a.name), (n.args, n.kwargs))
-        nodes.append((n.op, n.name, _encode_target(n), args, kwargs, _encode_val(n.meta.get("val"))))
+        kept = {k: n.meta[k] for k in KEPT_META if k in n.meta}
+        nodes.append((n.op, n.name, _encode_target(n), args, kwargs, _encode_val(n.meta.get("val")), kept))
     constants = {n.target: getattr(prog.gm, n.target) for n in prog.graph.nodes if n.op == "get_attr"}
     notes = {k: v for k, v in prog.notes.items() if not k.startswith("_")}
     state = {f.name: getattr(prog, f.name) for f in dataclasses.fields(prog) if f.name not in ("gm", "mesh", "notes")}
@@ -85,11 +87,12 @@ def load_program(data: bytes, mesh: Mesh | None = None) -> Program:
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    for op, name, target, args, kwargs, val in nodes:
+    for op, name, target, args, kwargs, val, *kept in nodes:  # files written before KEPT_META have no ``kept``
         args, kwargs = pytree.tree_map_only(_Ref, lambda r: env[r.name], (args, kwargs))
         node = graph.create_node(op, _decode_target(op, target), args, kwargs, name=name)
         assert node.name == name, f"node {name} was renamed to {node.name}"
         node.meta["val"] = _decode_val(val, fake)
+        node.meta.update(*kept)
         env[name] = node
     root = torch.nn.Module()
     for attr, value in constants.items():

@@ -129,6 +129,22 @@ def test_moe_expert_gradient_shards_hold_only_their_own_bytes(zero: int) -> None
             assert grads == params
 
 
+def test_biased_linears_round_as_eager_f_linear_does() -> None:
+    """Capture splits ``addmm`` into ``mm`` + ``add`` (a row-parallel product is reduced before its bias is added);
+    where no collective comes between them, lowering fuses them back (``fxpar.lower.fuse_bias``). In bf16 the split
+    pair rounds the product and then the sum, where eager's ``F.linear`` rounds once: one unit in the last place on
+    some outputs, enough to flip an MoE router's top-k (GPT-OSS at 4 layers). On one rank the two are bitwise."""
+    from fxpar.models.mlp import mlp, mlp_plan
+
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    plan = fxpar.Plan(param_dtype=BF16, reduce_dtype=FP32)
+    assert_equivalent(partial(mlp, dim=32, hidden=256, out=64), {"dp": 1}, plan, (x,), steps=1, rtol=0.0, atol=0.0)
+    text = fxpar.parallelize(mlp(), fxpar.Mesh({"tp": 2}, fake=True), (torch.zeros(4, 32),),
+                             plan=fxpar.Plan(tp=mlp_plan(), **MIXED)).program(0).split("def backward")[0]
+    assert "aten.addmm(" in text  # the column-parallel up projection: its bias joins the matmul
+    assert "aten.add.Tensor(mm_default_1_reduced" in text  # the row-parallel down projection: reduced, then added
+
+
 def test_dp2_tp2_matches_the_single_device_casts() -> None:
     assert_equivalent(partial(llama, n_layers=2), {"dp": 2, "tp": 2}, fxpar.Plan(tp=llama_plan(), **MIXED),
                       (TOKENS,), steps=2)

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from fxpar.ir import Program, graph_module, py_name
 from fxpar.lower import overlap as issue_order  # the module: ``fxpar.lower.overlap`` stays importable
+from fxpar.lower.fuse_bias import fuse_split_bias
 from fxpar.lower.program import LedgerRow, RankProgram, group_name
 from fxpar.lower.retrace import Lowerer
 from fxpar.lower.split_joint import from_zero3_shards, split_joint
@@ -39,6 +40,7 @@ def lower(prog: Program, rank: int) -> RankProgram:
 def steps() -> list[Step]:
     """The lowering steps, in order."""
     return [
+        fuse_linear_bias,  # add(mm(x, w), b) -> addmm(b, x, w) where no collective came between: eager's rounding
         split_forward_backward,  # forward graph -> user outputs + saved values; backward: saved + tangents -> grads
         add_reduce_grads,  # the batch axes' gradient reductions deferred out of the backward, bucketed, own graph
         add_gather_params,  # ZeRO-1/2: the once-per-step all-gather of the dp-sharded parameters, own graph
@@ -46,6 +48,12 @@ def steps() -> list[Step]:
         reorder_for_overlap,  # overlap: every collective issued early, waited late (gloo: one in flight at a time)
         read_ledger,  # the ledger, read from the final graphs' collective nodes (recomputed ones re-issue)
     ]
+
+
+def fuse_linear_bias(lw: Lowerer, rp: RankProgram) -> RankProgram:
+    if fuse_split_bias(rp.joint.graph):
+        rp.joint.recompile()
+    return rp
 
 
 def split_forward_backward(lw: Lowerer, rp: RankProgram) -> RankProgram:
