@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from fxpar.ir import Program, graph_module, py_name
 from fxpar.lower import overlap as issue_order  # the module: ``fxpar.lower.overlap`` stays importable
-from fxpar.lower.fuse_bias import fuse_split_bias
+from fxpar.lower.fuse_bias import fuse_split_bias, split_adds
 from fxpar.lower.program import LedgerRow, RankProgram, group_name
 from fxpar.lower.retrace import Lowerer
 from fxpar.lower.split_joint import from_zero3_shards, split_joint
@@ -51,7 +51,7 @@ def steps() -> list[Step]:
 
 
 def fuse_linear_bias(lw: Lowerer, rp: RankProgram) -> RankProgram:
-    if fuse_split_bias(rp.joint.graph):
+    if fuse_split_bias(rp.joint.graph, split_adds(lw.prog.graph)):
         rp.joint.recompile()
     return rp
 

@@ -19,8 +19,14 @@ aten = torch.ops.aten
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}  # token dims flattened or restored
 
 
-def fuse_split_bias(graph: fx.Graph) -> int:
-    """Rewrite each ``add(mm(x, w), b)`` capture split (``meta["split_addmm"]``) to ``addmm(b, x, w)``, and each
+def split_adds(global_graph: fx.Graph) -> set[str]:
+    """The names of the adds capture split from an ``addmm`` (``meta["split_addmm"]``): a rank graph's node keeps
+    the name of the global node it lowers."""
+    return {n.name for n in global_graph.nodes if n.meta.get(SPLIT_ADDMM)}
+
+
+def fuse_split_bias(graph: fx.Graph, split: set[str]) -> int:
+    """Rewrite each ``add(mm(x, w), b)`` capture split (named in ``split``) to ``addmm(b, x, w)``, and each
     ``add(view(mm(x, w), shape), b)`` (the add moved after the token view, ``fxpar.simplify.bias_after_token_view``)
     to ``view(addmm(b, x, w), shape)``, where the ``mm`` (and view) feed the add alone and ``b`` has the product's
     dtype: no collective came between them.
@@ -28,7 +34,7 @@ def fuse_split_bias(graph: fx.Graph) -> int:
     Requires: node meta ``val``. Ensures: the values eager's ``F.linear`` computes; returns the pairs fused."""
     fused = 0
     for add in list(graph.nodes):
-        if add.op != "call_function" or not add.meta.get(SPLIT_ADDMM) or add.target is not aten.add.Tensor:
+        if add.op != "call_function" or add.name not in split or add.target is not aten.add.Tensor:
             continue
         product, bias = add.args[0], add.args[1]
         view = product if isinstance(product, fx.Node) and product.target in VIEWS else None
@@ -41,7 +47,7 @@ def fuse_split_bias(graph: fx.Graph) -> int:
             addmm = graph.call_function(aten.addmm.default, (bias, *mm.args))
             addmm.meta.update(mm.meta)
             out = addmm if view is None else graph.call_function(view.target, (addmm, *view.args[1:]), view.kwargs)
-        out.meta.update({k: v for k, v in add.meta.items() if k != SPLIT_ADDMM})
+        out.meta.update(add.meta)
         add.replace_all_uses_with(out)
         for dead in (add, view, mm):
             if dead is not None:

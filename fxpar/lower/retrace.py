@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from fxpar.ir import SPLIT_ADDMM, Placements, Program, Step, consumed_tensors, fake_empty, graph_module, py_name
+from fxpar.ir import Placements, Program, Step, consumed_tensors, fake_empty, graph_module, py_name
 from fxpar.lower.collectives import CollectiveEmitter
 from fxpar.lower.context import CAUSAL_ATTENTION, ContextMask
 from fxpar.lower.emit import Site
@@ -217,8 +217,6 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
                 args, kwargs = self.causal_on_context(node, args, kwargs)
             self.env[node.name] = self.emit(target, args, kwargs, placements=placements, module=module,
                                             name=node.name)
-            if node.meta.get(SPLIT_ADDMM):
-                self.env[node.name].meta[SPLIT_ADDMM] = True
 
     def local_inputs(self, node: fx.Node, plan: dict, module: str) -> dict[str, fx.Node]:
         if node.name not in self.planned:  # most nodes: every input read as it is
