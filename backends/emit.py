@@ -3,11 +3,11 @@
 A saved folder holds, for every rank ``r``:
 
 - ``rank<r>.py``: the rank's programs as readable Python (the ``pm.program(r)`` text: per stage it holds,
-  forward, backward, gradient reduction, ZeRO gathers; the backward's B and W halves under zero-bubble
-  schedules; the loss on the last stage), then what running a step needs as literals: ``SPEC`` (how each
-  stage's functions are called, ``fxpar.rank_spec``), ``EVENTS`` (the rank's ordered step events, exact
-  tags and peers, ``fxpar.rank_step``) and ``PARAMS`` (each parameter's global shape, dtype and placements).
-  Every name the file uses is defined in it or imported by it from torch and fxpar.
+  forward, backward, gradient reduction, ZeRO gathers; the backward's B and W halves where the step runs them
+  (``fxpar.rank_step.backward_halves``); the loss on the last stage), then what running a step needs as
+  literals: ``SPEC`` (how each stage's functions are called, ``fxpar.rank_spec``), ``EVENTS`` (the rank's
+  ordered step events, exact tags and peers, ``fxpar.rank_step``) and ``PARAMS`` (each parameter's global
+  shape, dtype and placements). Every name the file uses is defined in it or imported by it from torch and fxpar.
 - ``rank<r>.pt``: its stages' buffers and lifted constants (``torch.load(..., weights_only=True)``).
 
 and one ``manifest.json``: the fxpar version and file format, the mesh, device and world size, the plan,
@@ -38,7 +38,7 @@ from fxpar.compiled import Compiled
 from fxpar.params import param_placements
 from fxpar.printer import graph_source, group_vars, print_rank_programs
 from fxpar.rank_spec import events_data, rank_spec, spec_data
-from fxpar.rank_step import rank_step, step_ledger, tie_holders, tie_ranks
+from fxpar.rank_step import backward_halves, rank_step, step_ledger, tie_holders, tie_ranks
 from fxpar.split import rank_batch_size
 
 FORMAT = 1  # bump when the folder's layout or a literal's meaning changes (fxpar.run refuses others)
@@ -100,11 +100,11 @@ def rank_file(c: Compiled, rank: int, sources: SaveSources, targets: dict[str, A
     group_lines = "\n".join(f"{v} = {s!r}" for s, v in sorted(groups.items(), key=lambda kv: kv[1]))
     parts = [PRELUDE.format(groups=group_lines, tensors=f"rank{rank}.pt"), print_rank_programs(c, rank)]
     spec = rank_spec(c, rank)
-    if c.schedule.has_w:
-        for s in c.stage_of_rank(rank):
-            for half in ("backward_b", "backward_w"):
-                parts.append(graph_source(f"{half}{stage_suffix(c, s)}", c.stage_graph(rank, s, half), c.mesh.names,
-                                          group_vars(c.rank_program(rank, s))) + "\n")
+    halves = backward_halves(c, rank)
+    for s in [s for s in c.stage_of_rank(rank) if s in halves]:
+        for half in ("backward_b", "backward_w"):
+            parts.append(graph_source(f"{half}{stage_suffix(c, s)}", c.stage_graph(rank, s, half), c.mesh.names,
+                                      group_vars(c.rank_program(rank, s))) + "\n")
     last = len(c.stages) - 1
     if last in spec.stages:
         parts.append(_loss_source(c, rank, sources, spec.stages[last].out_meta, targets, losses))

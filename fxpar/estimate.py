@@ -217,7 +217,8 @@ def _rank_costs(c: Compiled, rank: int, cluster: Cluster) -> _RankCosts:
         if e.kind in ("F", "B", "W") or (e.kind == "reduce" and e.mb is not None):
             t = _event_graph_time(c, rank, e, cluster, graph_cache)
             inside.add(t)
-            key = (e.kind if e.kind != "reduce" else last_compute[e.stage][0], e.stage)
+            kind = e.kind if e.kind != "reduce" else last_compute[e.stage][0]
+            key = ("B" if kind == "W" and not c.schedule.has_w else kind, e.stage)  # a split B's W: the schedule's B
             actions[key] = actions.get(key, 0.0) + t.total
             last_compute[e.stage] = key
         elif e.kind.startswith("SEND_"):

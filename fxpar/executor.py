@@ -121,7 +121,7 @@ class StepExecutor:
         elif e.kind == "F":
             self.forward(e.stage, e.mb, st, mb_inputs[e.mb], mb_targets[e.mb])
         elif e.kind == "B":
-            self.backward(e.stage, e.mb, st)
+            self.backward(e.stage, e.mb, st, halves=e.graph == "backward_b")
         elif e.kind == "W":
             self.weight_grads(e.stage, e.mb, st)
         elif e.kind == "reduce":
@@ -188,10 +188,11 @@ class StepExecutor:
             out.append(g if g is not None else torch.zeros(r.out_meta[idx][0], dtype=r.out_meta[idx][1]))
         return out
 
-    def backward(self, s: int, mb: int, st: StepState) -> None:
+    def backward(self, s: int, mb: int, st: StepState, halves: bool) -> None:
+        """The whole backward, or (``halves``) its input-gradient half, stashing what the ``W`` event reads."""
         r = self.runners[s]
         tangents = self.tangents_for(s, mb, st)
-        if r.b is not None:
+        if halves:
             results = r.b(*st.saved[(s, mb)], *tangents)
             n_in = len(r.input_grad_pos)
             in_grads = dict(zip(sorted(r.input_grad_pos, key=r.input_grad_pos.get), results[:n_in], strict=True))

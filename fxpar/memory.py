@@ -18,8 +18,9 @@
 * ``activations``: the tensors each forward saves for its backward, times the microbatches the
   schedule keeps in flight on this rank (stage by stage, the schedule's own order). A saved value
   that is a parameter, a buffer, an input or a view of one adds nothing; views of one saved tensor
-  count once. With zb-h1, a set is released after its ``W`` (an upper bound: some of it dies at
-  ``B``);
+  count once. A backward that runs as halves (zero-bubble schedules; under any schedule, a stage whose
+  input gradient goes to another rank: ``fxpar.rank_step.backward_halves``) releases its set after its
+  ``W`` (an upper bound: some of it dies at ``B``) and holds what ``W`` reads from ``B`` in between;
 * ``transient``: the largest set of temporaries alive at once inside one forward or backward graph,
   beyond its inputs (liveness over the graph's node order; a view is free; a backward's output cut from a
   larger buffer keeps the rest of it alive until the graph returns);
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from fxpar.rank_step import rank_step
+from fxpar.rank_step import backward_halves, rank_step
 
 if TYPE_CHECKING:
     from fxpar.compiled import Compiled
@@ -87,6 +88,8 @@ def predict(c: Compiled, rank: int) -> Memory:
     state_bytes: dict[str, int] = {}
     whole_grads: dict[int, int] = {}  # per stage: bytes of one backward's unreduced gradients of dp shards
     saved: dict[int, int] = {}
+    stash: dict[int, int] = {}  # per stage whose backward runs as halves: what W reads from B
+    halves = backward_halves(c, rank)
     transient = 0
     for s in stages:
         prog, rp = c.stages[s], c.rank_program(rank, s)
@@ -105,10 +108,15 @@ def predict(c: Compiled, rank: int) -> Memory:
                 whole_grads[s] = whole_grads.get(s, 0) + (full if fqn in rp.zero else 0)
         saved[s] = saved_bytes(rp.forward, prog.signature.num_outputs)
         unreduced = whole_grads.get(s, 0) if c.plan.zero >= 2 else 0
-        backward_end = largest_live_set(rp.backward, output_excess=True) + unreduced
+        if s in halves:  # B, then W reading B's stash (``fxpar.rank_step.backward_halves``)
+            b, w = c.stage_graph(rank, s, "backward_b"), c.stage_graph(rank, s, "backward_w")
+            stash[s] = stash_bytes(b, len(prog.signature.input_grads))
+            backward_end = max(largest_live_set(b), largest_live_set(w, output_excess=True) + unreduced)
+        else:
+            backward_end = largest_live_set(rp.backward, output_excess=True) + unreduced
         transient = max(transient, largest_live_set(rp.forward), backward_end)
     return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
-                  _activations_in_flight(c, rank, saved), transient)
+                  _activations_in_flight(c, rank, saved, stash), transient)
 
 
 def nbytes(node: fx.Node) -> int:
@@ -132,6 +140,13 @@ def storage_root(node: fx.Node) -> fx.Node:
 def saved_bytes(forward: fx.GraphModule, num_outputs: int) -> int:
     """Bytes of new storage the forward graph saves for backward (placeholders and their views excluded)."""
     outs = forward.graph.output_node().args[0][num_outputs:]
+    roots = {storage_root(o) for o in outs if isinstance(o, fx.Node)}
+    return sum(nbytes(r) for r in roots if r.op != "placeholder")
+
+
+def stash_bytes(b: fx.GraphModule, n_input_grads: int) -> int:
+    """Bytes of new storage a backward's ``B`` half hands its ``W`` half (its outputs after the input gradients)."""
+    outs = b.graph.output_node().args[0][n_input_grads:]
     roots = {storage_root(o) for o in outs if isinstance(o, fx.Node)}
     return sum(nbytes(r) for r in roots if r.op != "placeholder")
 
@@ -174,14 +189,18 @@ def _output_excess(outs: list[fx.Node]) -> dict[fx.Node, int]:
     return {root: nbytes(root) - n for root, n in used.items() if root.op == "call_function" and nbytes(root) > n}
 
 
-def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int]) -> int:
-    """Peak saved bytes over the rank's step events: F adds its stage's set, the last backward frees it."""
-    release = "W" if c.schedule.has_w else "B"
+def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash: dict[int, int]) -> int:
+    """Peak saved bytes over the rank's step events: F adds its stage's set, the backward that finishes it
+    (``backward`` or ``backward_w``) frees it; a ``B`` of a split backward adds its stash until its ``W``."""
     live = peak = 0
     for event in rank_step(c, rank):
         if event.kind == "F":
             live += saved[event.stage]
-        elif event.kind == release:
+        elif event.graph == "backward_b":
+            live += stash[event.stage]
+        elif event.graph == "backward_w":
+            live -= saved[event.stage] + stash[event.stage]
+        elif event.graph == "backward":
             live -= saved[event.stage]
         peak = max(peak, live)
     return peak

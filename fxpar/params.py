@@ -20,7 +20,7 @@ from fxpar.ir import Program
 from fxpar.local_optimizer import own_parameter
 from fxpar.mesh import Mesh
 from fxpar.rank_spec import stage_spec
-from fxpar.rank_step import tie_holders, tie_ranks
+from fxpar.rank_step import backward_halves, tie_holders, tie_ranks
 
 
 class RankParameters(torch.nn.Module):
@@ -148,7 +148,7 @@ def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str
     rp = compiled.rank_program(rank, stage)
     graphs = {"forward": rp.forward, "backward": rp.backward, "reduce_grads": rp.reduce_grads,
               "gather_params": rp.gather_params}
-    if compiled.schedule.has_w:
+    if stage in backward_halves(compiled, rank):
         graphs["backward_b"] = compiled.stage_graph(rank, stage, "backward_b")
         graphs["backward_w"] = compiled.stage_graph(rank, stage, "backward_w")
     eager = not compiled.plan.compile  # Inductor reinplaces collectives itself

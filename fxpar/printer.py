@@ -23,6 +23,7 @@ from fxpar.ir import BLOCK, Program
 from fxpar.lower import LedgerRow, RankProgram
 from fxpar.lower.collectives import COORD_SLICE
 from fxpar.memory import saved_bytes
+from fxpar.rank_step import backward_halves
 from fxpar.roles import coord_slice_args
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
@@ -273,6 +274,7 @@ def print_rank_programs(c: Compiled, rank: int, verbosity: int = 1) -> str:
         rp, body = c.roles.printable(rank, 0)
         return print_rank_program(c.stages[0], rp, verbosity, body=body)
     texts = []
+    halves = backward_halves(c, rank)
     for s in stages:
         prog = c.stages[s]
         info = prog.notes["stage"]
@@ -282,6 +284,10 @@ def print_rank_programs(c: Compiled, rank: int, verbosity: int = 1) -> str:
                  f"# holds   {held_modules(prog)}",
                  f"# recv    {', '.join(info.received) or '(user inputs only)'}",
                  f"# send    {', '.join(info.sent) or '(outputs to loss_fn)'}"]
+        if s in halves:
+            extra.append("# bwd     in halves: " + ("B (input gradients) and W (weight gradients), where the schedule "
+                                                 "places them" if c.schedule.has_w else
+                                                 "B (input gradients, sent back at once), then W (weight gradients)"))
         rp, body = c.roles.printable(rank, s)
         texts.append(print_rank_program(prog, rp, verbosity, extra, suffix=f"_stage{s}", body=body))
     return "\n".join(texts)

@@ -10,8 +10,9 @@ names its events. A step is:
 2. the schedule's actions: ``F``/``B``/``W`` run a stage graph on one microbatch (its
    collectives inside), ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` move the stage boundary
    tensors (activations forward, their gradients back), each with its exact
-   ``torch.distributed`` tag and peer rank; under ZeRO-2 a ``reduce`` follows every backward
-   that produces parameter gradients;
+   ``torch.distributed`` tag and peer rank; a backward whose input gradient goes to another rank
+   runs as ``B`` (that gradient), its ``SEND_B``, then ``W`` (the weight gradients: ``backward_halves``);
+   under ZeRO-2 a ``reduce`` follows every backward that produces parameter gradients;
 3. ``wait_sends``, then (below ZeRO-2) one ``reduce`` per stage of the summed gradients;
 4. ``tied``: a weight held by stages on several pipeline ranks has its gradient summed over them;
 5. ``loss``: the mean loss, all-reduced over the world (a report, not training traffic: no ledger row).
@@ -97,18 +98,32 @@ def rank_step(compiled: Compiled, rank: int, actions: list[Action] | None = None
     stages = compiled.stage_of_rank(rank)
     memo: dict[Any, Any] = {}  # per (stage, graph) comms and per (stage, direction) boundaries: same every mb
     each_mb = compiled.plan.zero >= 2  # ZeRO-2 reduces after every backward, not once per step
-    last_backward = "W" if compiled.schedule.has_w else "B"
+    has_w = compiled.schedule.has_w
+    halves = backward_halves(compiled, rank, actions)
+    after_send: dict[tuple[int, int], list[StepEvent]] = {}  # (stage, mb) -> the W that follows its SEND_B
+
+    def reduce_after(a: Action) -> list[StepEvent]:
+        if not each_mb or compiled.rank_program(rank, a.stage).reduce_grads is None:
+            return []
+        return [_graph_event(compiled, rank, "reduce", a.stage, a.mb, "reduce_grads", f"{a} reduce_grads", memo)]
+
     events = [_graph_event(compiled, rank, "gather", s, None, "gather_params", f"stage {s} gather_params", memo)
               for s in stages if compiled.rank_program(rank, s).gather_params is not None]
     for a in actions:
-        if a.is_compute:
-            graph = _graph_name(a.kind, compiled.schedule.has_w)
+        if a.kind == "B" and not has_w and a.stage in halves:  # B, its send, then W (``backward_halves``)
+            events.append(_graph_event(compiled, rank, "B", a.stage, a.mb, "backward_b", str(a), memo))
+            w = Action("W", a.stage, a.mb)
+            after_send[(a.stage, a.mb)] = [_graph_event(compiled, rank, "W", a.stage, a.mb, "backward_w",
+                                                        f"{w} (of {a})", memo), *reduce_after(w)]
+        elif a.is_compute:
+            graph = _graph_name(a.kind, has_w)
             events.append(_graph_event(compiled, rank, a.kind, a.stage, a.mb, graph, str(a), memo))
-            if each_mb and a.kind == last_backward and compiled.rank_program(rank, a.stage).reduce_grads is not None:
-                label = f"{a} reduce_grads"
-                events.append(_graph_event(compiled, rank, "reduce", a.stage, a.mb, "reduce_grads", label, memo))
+            if a.kind == ("W" if has_w else "B"):
+                events += reduce_after(a)
         else:
             events.append(_transfer(compiled, rank, a, memo))
+            events += after_send.pop((a.stage, a.mb), []) if a.kind == "SEND_B" else []
+    assert not after_send, f"a split backward without its send: {sorted(after_send)}"
     events.append(StepEvent("wait_sends", label="wait for this step's sends"))
     if not each_mb:
         events += [_graph_event(compiled, rank, "reduce", s, None, "reduce_grads", f"stage {s} reduce_grads", memo)
@@ -117,6 +132,19 @@ def rank_step(compiled: Compiled, rank: int, actions: list[Action] | None = None
     loss = Comm("all_reduce", tuple(range(compiled.mesh.size)), (), torch.float64, None)
     events.append(StepEvent("loss", comms=(loss,), label="step loss"))
     return events
+
+
+def backward_halves(compiled: Compiled, rank: int, actions: list[Action] | None = None) -> set[int]:
+    """The stages of ``rank`` whose backward runs as its two halves (``fxpar.backward_split``): every stage under a
+    schedule with ``W`` actions (zero-bubble); under any other schedule, each stage whose input gradient goes to
+    another pipeline rank. Its ``B`` then computes only that gradient, the ``SEND_B`` leaves at once and a ``W``
+    event (the weight gradients) follows the send, so the previous stage's backward starts a ``W`` earlier.
+    Every node runs once either way, so the gradients are the fused backward's, bit for bit; the cost is the
+    values ``W`` reads from ``B`` (``pm.memory`` counts them in ``transient``)."""
+    if compiled.schedule.has_w:
+        return set(compiled.stage_of_rank(rank))
+    actions = actions if actions is not None else compiled.schedule.actions[compiled.pp_coord(rank)]
+    return {a.stage for a in actions if a.kind == "SEND_B"}
 
 
 def step_ledger(events: list[StepEvent]) -> list[LedgerRow]:

@@ -97,8 +97,12 @@ def test_the_ledger_is_read_from_the_events(pm_1f1b: fxpar.ParallelModule) -> No
 
 def test_zero2_reduces_after_each_microbatch_and_zb_h1_runs_w() -> None:
     zero2 = _fake_pm(fxpar.Plan(schedule="1f1b", microbatches=2, zero=2))
-    kinds = [e.kind for e in zero2.step_events(2)]
-    assert kinds.count("reduce") == 2 and kinds.index("reduce") == kinds.index("B") + 1
+    first = [e.kind for e in zero2.step_events(0)]  # stage 0: no input gradient to send, one whole backward
+    assert "W" not in first and first.count("reduce") == 2 and first[first.index("B") + 1] == "reduce"
+    kinds = [e.kind for e in zero2.step_events(2)]  # stage 1: B sends its input gradient before W runs
+    b = kinds.index("B")
+    assert kinds.count("reduce") == 2 and kinds[b:b + 4] == ["B", "SEND_B", "W", "reduce"]
+    assert [e.graph for e in zero2.step_events(2)][b:b + 3:2] == ["backward_b", "backward_w"]
     zb = _fake_pm(fxpar.Plan(schedule="zb-h1", microbatches=2))
     graphs = [e.graph for e in zb.step_events(2) if e.kind in ("B", "W")]
     assert graphs == ["backward_b", "backward_w"] * 2 or sorted(set(graphs)) == ["backward_b", "backward_w"]
