@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ from fxpar.schedules import Schedule, make_schedule
 from fxpar.split import CONTEXT_AXIS, batch_ranks
 from fxpar.stage_twins import Shift, find_twins
 from fxpar.stages import Split, data_nodes, node_cost, split_stages
+
+# "0": under a schedule without W actions, a backward whose input gradient goes to another rank runs whole (the
+# gradient is sent after the weight gradients), as before; read when the model is compiled
+HALVES_ENV = "FXPAR_BACKWARD_HALVES"
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class Compiled:
     input_keys: tuple[str, ...] = ()  # with keyword inputs: the tensor ones, in the order the program takes them
     timings: dict[str, float] = field(default_factory=dict)
     constants: dict[Any, Any] = field(default_factory=dict)  # non-tensor inputs (by name or position), baked in
+    sent_backward_halves: bool = field(default_factory=lambda: os.environ.get(HALVES_ENV, "1") != "0")
     _lowered: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # backward halves, lazily
     _roles: Roles | None = field(default=None, repr=False, compare=False)  # rank programs by role, lowered lazily
 

@@ -140,9 +140,12 @@ def backward_halves(compiled: Compiled, rank: int, actions: list[Action] | None 
     another pipeline rank. Its ``B`` then computes only that gradient, the ``SEND_B`` leaves at once and a ``W``
     event (the weight gradients) follows the send, so the previous stage's backward starts a ``W`` earlier.
     Every node runs once either way, so the gradients are the fused backward's, bit for bit; the cost is the
-    values ``W`` reads from ``B`` (``pm.memory`` counts them in ``transient``)."""
+    values ``W`` reads from ``B``, held from one to the other (``pm.memory`` counts them with the activations).
+    ``FXPAR_BACKWARD_HALVES=0`` at compile time keeps such a backward whole."""
     if compiled.schedule.has_w:
         return set(compiled.stage_of_rank(rank))
+    if not compiled.sent_backward_halves:  # FXPAR_BACKWARD_HALVES=0 when the model was compiled
+        return set()
     actions = actions if actions is not None else compiled.schedule.actions[compiled.pp_coord(rank)]
     return {a.stage for a in actions if a.kind == "SEND_B"}
 

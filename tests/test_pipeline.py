@@ -20,7 +20,7 @@ from fxpar.schedules import Action, costs_from_trace, make_schedule
 import fxpar
 from fxpar.models.llama import llama, llama_plan
 from fxpar.models.mlp import mlp
-from fxpar.testing import assert_equivalent, default_pool, error_models
+from fxpar.testing import assert_equivalent, default_pool, error_models, probes
 from fxpar.testing.error_models import next_token_loss
 from fxpar.testing.launch import RankFailure, run_ranks
 
@@ -151,6 +151,25 @@ def test_dp_gradients_are_reduced_once_per_step_not_per_microbatch(overlap: bool
         assert all(r.mb is None and r.op == "all_reduce" for r in dp_rows)
         assert len(dp_rows) == (1 if overlap else len(params))  # overlap: one 25 MB bucket holds the stage
         assert sum(r.bytes for r in dp_rows) == nbytes
+
+
+@pytest.mark.parametrize("mesh_axes, plan", [
+    ({"pp": 2, "dp": 2}, fxpar.Plan(schedule="1f1b", microbatches=2, zero=2)),
+    ({"pp": 2, "tp": 2}, fxpar.Plan(tp=llama_plan(), schedule="gpipe", microbatches=2)),
+], ids=["1f1b_dp2_zero2", "gpipe_tp2"])
+def test_a_sent_input_gradient_leaves_before_w_with_the_whole_backwards_gradients(mesh_axes, plan) -> None:  # noqa: ANN001
+    """The last stage's backward runs as B, SEND_B, W (then ZeRO-2's reduce); FXPAR_BACKWARD_HALVES=0 keeps it
+    whole. Both run every node once, so losses and gradients are equal to the bit (gloo, 4 ranks)."""
+    tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    results = default_pool().run(probes.backward_halves_against_whole, 4, mesh_axes, plan, tokens, timeout=300)
+    for rank, r in enumerate(results):
+        last_stage = rank >= 2  # pp is the first mesh axis
+        halves, whole = r["kinds_halves"], r["kinds_whole"]
+        assert "W" not in whole and ("W" in halves) == last_stage, (rank, halves)
+        if last_stage:
+            b = halves.index("B")
+            assert halves[b:b + 3] == ["B", "SEND_B", "W"], halves
+        assert r["loss_diff"] == 0.0 and r["grad_diff"] == 0.0, (rank, r)
 
 
 def test_int_stages_are_cost_balanced_and_shown_in_the_plan() -> None:

@@ -157,3 +157,35 @@ def llama_losses(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor, ste
     mesh = fxpar.Mesh(mesh_axes)
     pm = parallelize_once(functools.partial(llama, n_layers=2), mesh, (tokens,), plan, loss_fn=next_token_loss)
     return _train(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), mesh, tokens, steps)
+
+
+def backward_halves_against_whole(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor) -> dict[str, Any]:
+    """Rank body: one ``pm.step`` of the bundled 2-layer Llama (seed 0) compiled twice, with a sent input
+    gradient's backward in halves (the default) and whole (``FXPAR_BACKWARD_HALVES=0``): each one's step event
+    kinds, and the largest difference between their losses and gradients."""
+    import os
+
+    import fxpar
+    from fxpar.compiled import HALVES_ENV
+    from fxpar.models.llama import llama
+    from fxpar.testing.error_models import next_token_loss
+
+    mesh = fxpar.Mesh(mesh_axes)
+    local = tokens.chunk(mesh.axes.get("dp", 1))[mesh.coord(dist.get_rank())[mesh.axis_index("dp")]] \
+        if "dp" in mesh.axes else tokens
+    runs = {}
+    for halves in ("1", "0"):
+        os.environ[HALVES_ENV] = halves
+        try:
+            torch.manual_seed(0)
+            pm = parallelize_once(functools.partial(llama, n_layers=2), mesh, (tokens,), plan,
+                                  loss_fn=next_token_loss)
+        finally:
+            del os.environ[HALVES_ENV]
+        loss = pm.step(local, local)
+        runs[halves] = (pm, loss, {n: _local(p.grad).clone() for n, p in pm.named_parameters()})
+    (halved, loss_h, grads_h), (whole, loss_w, grads_w) = runs["1"], runs["0"]
+    return {"kinds_halves": [e.kind for e in halved.step_events()],
+            "kinds_whole": [e.kind for e in whole.step_events()],
+            "loss_diff": abs(loss_h.item() - loss_w.item()),
+            "grad_diff": max((grads_h[n] - grads_w[n]).abs().max().item() for n in grads_h)}
