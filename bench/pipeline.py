@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining.schedules as pp_schedules
 import torch.nn.functional as F
 from common import environment, markdown_table, publish, ratio
+from fxpar.schedules import costs_from_trace
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
@@ -114,16 +115,13 @@ def analyze(events: list[dict[str, Any]], starts: list[float], schedule: Any) ->
     t0 = min(starts)
     end_common, end_own = 0.0, 0.0
     busy = [0.0] * ranks
-    durations: dict[tuple[str, int], list[float]] = {}
     for e in events:
         r, start, dur = e["tid"], e["ts"] * 1e-6, e["dur"] * 1e-6
         end_common = max(end_common, starts[r] - t0 + start + dur)
         end_own = max(end_own, start + dur)
         if e["cat"] in COMPUTE:
             busy[r] += dur
-            stage = int(e["name"][1:].split(".")[0])
-            durations.setdefault((e["cat"], stage), []).append(dur)
-    costs = {key: statistics.mean(ds) for key, ds in durations.items()}
+    costs = costs_from_trace({"traceEvents": events})  # a 1f1b B that ran as halves counts both
     sim = schedule.simulate(costs)
     real = 1.0 - sum(busy) / (ranks * end_common)
     return {"costs": {f"{k}{s}": c for (k, s), c in sorted(costs.items(), key=lambda kv: (kv[0][1], kv[0][0]))},
