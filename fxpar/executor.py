@@ -69,7 +69,8 @@ class StepState:
     input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # to send back
     stash: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # B -> W values
     unreduced: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # ZeRO-2: a backward's raw grads
-    losses: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # the last stage's loss per microbatch
+    output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)  # its outputs' grads, until B
     grads: GradSums = field(default_factory=lambda: GradSums([]))  # each stage's gradients summed over microbatches
     totals: dict[str, torch.Tensor] | None = None  # fqn -> gradient summed over this rank's stages
     sends: list[Any] = field(default_factory=list)
@@ -161,7 +162,7 @@ class StepExecutor:
         results = r.forward(*self.params(r), *self.state.stage_buffers(s), *received, *tensors)
         outs, st.saved[(s, mb)] = list(results[: r.num_outputs]), list(results[r.num_outputs:])
         if s == self.spec.n_stages - 1:
-            st.losses[mb] = self.loss(outs, targets)
+            st.losses[mb], st.output_grads[mb] = self.loss(outs, targets)
         elif s in self.spec.local_next:
             st.inbox[(s + 1, mb)] = outs  # the next stage is on this rank: hand over locally
         else:
@@ -178,7 +179,7 @@ class StepExecutor:
     def tangents_for(self, s: int, mb: int, st: StepState) -> list[torch.Tensor]:
         r = self.runners[s]
         if s == self.spec.n_stages - 1:
-            grads = st.losses[mb][1]
+            grads = st.output_grads.pop(mb)  # the step keeps the loss, not the logits' gradient
         else:
             by_name = st.tangents.pop((s, mb), {})
             grads = [by_name.get(name) for name in r.spec.sent]
@@ -266,7 +267,7 @@ class StepExecutor:
         """The mean loss over microbatches and dp ranks, on every rank (one world all-reduce of a scalar)."""
         value = torch.zeros((), dtype=torch.float64)
         if st.losses:
-            value = torch.stack([loss.double() for loss, _ in st.losses.values()]).mean() / self.spec.loss_divisor
+            value = torch.stack([loss.double() for loss in st.losses.values()]).mean() / self.spec.loss_divisor
             value = value * self.spec.batch_weight
         dist.all_reduce(value)
         return value.float()

@@ -189,3 +189,25 @@ def backward_halves_against_whole(mesh_axes: dict[str, int], plan: Any, tokens: 
             "kinds_whole": [e.kind for e in whole.step_events()],
             "loss_diff": abs(loss_h.item() - loss_w.item()),
             "grad_diff": max((grads_h[n] - grads_w[n]).abs().max().item() for n in grads_h)}
+
+
+def output_grads_held(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor) -> int:
+    """Rank body: one ``pm.step`` of the bundled 2-layer Llama (seed 0); the most gradients of the last stage's
+    outputs (the logits' gradient for a language model) the step held at once, counted before each event."""
+    import fxpar
+    from fxpar.models.llama import llama
+    from fxpar.testing.error_models import next_token_loss
+
+    torch.manual_seed(0)
+    mesh = fxpar.Mesh(mesh_axes)
+    pm = parallelize_once(functools.partial(llama, n_layers=2), mesh, (tokens,), plan, loss_fn=next_token_loss)
+    executor = pm.step_executor()
+    dispatch, most = executor.dispatch, [0]
+
+    def counting(e: Any, st: Any, *args: Any) -> None:
+        most[0] = max(most[0], len(st.output_grads))
+        dispatch(e, st, *args)
+
+    executor.dispatch = counting
+    pm.step(tokens, tokens)
+    return most[0]
