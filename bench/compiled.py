@@ -39,7 +39,7 @@ import torch.distributed as dist
 from common import bench_args, interleaved_step_times, markdown_table, publish_gloo_run
 from pipeline import MICROBATCHES, SPLIT, StageModule
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel
 from zero import BATCH, CONFIG, ROUNDS, SEQ, STEPS, next_token_loss
 
@@ -106,11 +106,13 @@ def build_dp(name: str, model: Llama, tokens: torch.Tensor, foreach: bool) -> tu
 
 
 def build_pp(name: str, model: Llama, tokens: torch.Tensor, foreach: bool) -> tuple[Any, Any]:
-    """(step function, optimizer) of one pp=2 system on this rank; the step returns the global mean loss."""
+    """(step function, optimizer) of one pp=2 system on this rank (1F1B, or GPipe where ``name`` says ``gpipe``);
+    the step returns the global mean loss."""
     rank = dist.get_rank()
     compiled = name.endswith("compile=True") or name.endswith(COMPILED)
+    schedule = "gpipe" if "gpipe" in name else "1f1b"
     if name.startswith("fxpar"):
-        plan = fxpar.Plan(stages=SPLIT, schedule="1f1b", microbatches=MICROBATCHES, compile=compiled)
+        plan = fxpar.Plan(stages=SPLIT, schedule=schedule, microbatches=MICROBATCHES, compile=compiled)
         pm = fxpar.parallelize(copy.deepcopy(model), fxpar.Mesh({"pp": WORLD}), (tokens,), plan=plan,
                                loss_fn=next_token_loss, example_targets=tokens)
         return (lambda: pm.step(tokens, tokens)), _optimizer(pm.parameters(), foreach)
@@ -119,8 +121,8 @@ def build_pp(name: str, model: Llama, tokens: torch.Tensor, foreach: bool) -> tu
     if compiled:
         for layer in submod.layers.values():
             layer.compile()
-    sched = Schedule1F1B(PipelineStage(submod, rank, WORLD, torch.device("cpu")), n_microbatches=MICROBATCHES,
-                         loss_fn=next_token_loss)
+    sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(
+        PipelineStage(submod, rank, WORLD, torch.device("cpu")), n_microbatches=MICROBATCHES, loss_fn=next_token_loss)
 
     def step() -> torch.Tensor:
         losses: list[torch.Tensor] = []
