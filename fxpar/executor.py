@@ -3,7 +3,8 @@
 ``gather`` all-gathers ZeRO-1/2's parameter shards; ``F``/``B``/``W`` run the stage's lowered
 forward, backward (or its input-gradient and weight-gradient halves) graphs on local tensors;
 ``SEND_*``/``RECV_*`` move stage boundary values with ``torch.distributed`` point-to-point calls, to
-the peer and with the tag the event names (sends are asynchronous and awaited at
+the peer and with the tag the event names (sends are asynchronous: a forward send is awaited when its
+gradient comes back, which proves it arrived, so its buffer is not held to the step's end; the rest at
 ``wait_sends``; receives block, with the process group's timeout); ``reduce`` runs a stage's
 ``reduce_grads`` graph (after every backward under ZeRO-2, else once on the summed gradients);
 ``tied`` sums a weight's gradient over the pipeline ranks holding it; ``loss`` all-reduces the
@@ -73,7 +74,8 @@ class StepState:
     output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)  # its outputs' grads, until B
     grads: GradSums = field(default_factory=lambda: GradSums([]))  # each stage's gradients summed over microbatches
     totals: dict[str, torch.Tensor] | None = None  # fqn -> gradient summed over this rank's stages
-    sends: list[Any] = field(default_factory=list)
+    sends: list[Any] = field(default_factory=list)  # sends awaited at wait_sends
+    forward_sends: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # awaited at their RECV_B
     loss: torch.Tensor | None = None
     trace: list[dict[str, Any]] = field(default_factory=list)
 
@@ -134,12 +136,15 @@ class StepExecutor:
         elif e.kind == "RECV_F":
             st.inbox[(e.stage + 1, e.mb)] = self.recv(e)
         elif e.kind == "RECV_B":
+            for work in st.forward_sends.pop((e.stage - 1, e.mb), []):  # its gradient is back: the send arrived
+                work.wait()
             meta = [b for b in self.recv_meta[e.stage] if b.has_grad]
             st.tangents[(e.stage - 1, e.mb)] = dict(zip([b.value for b in meta], self.recv(e), strict=True))
         elif e.kind == "wait_sends":
-            for work in st.sends:
+            for work in [*st.sends, *(w for works in st.forward_sends.values() for w in works)]:
                 work.wait()
             st.sends.clear()
+            st.forward_sends.clear()
         elif e.kind == "tied":
             dist.all_reduce(self.totals(st)[e.fqn], group=self.tie_groups[e.fqn])
         elif e.kind == "loss":
@@ -251,8 +256,11 @@ class StepExecutor:
 
     # -- point-to-point --------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], e: StepEvent, st: StepState) -> None:
-        for t, c in zip(tensors, e.comms, strict=True):
-            st.sends.append(dist.isend(t.contiguous(), c.ranks[1], tag=c.tag))
+        works = [dist.isend(t.contiguous(), c.ranks[1], tag=c.tag) for t, c in zip(tensors, e.comms, strict=True)]
+        if e.kind == "SEND_F":
+            st.forward_sends[(e.stage, e.mb)] = works
+        else:
+            st.sends += works
 
     def recv(self, e: StepEvent) -> list[torch.Tensor]:
         out = []

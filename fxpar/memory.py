@@ -20,7 +20,10 @@
   that is a parameter, a buffer, an input or a view of one adds nothing; views of one saved tensor
   count once. A backward that runs as halves (zero-bubble schedules; under any schedule, a stage whose
   input gradient goes to another rank: ``fxpar.rank_step.backward_halves``) releases its set after its
-  ``W`` (an upper bound: some of it dies at ``B``) and holds what ``W`` reads from ``B`` in between;
+  ``W`` (an upper bound: some of it dies at ``B``) and holds what ``W`` reads from ``B`` in between. Pipeline
+  transfers count too: a received activation until its forward (until its backward ends when the forward
+  saves it), a received gradient until its backward, a sent activation until its gradient comes back, a sent
+  gradient until the step's sends are awaited;
 * ``transient``: the largest set of temporaries alive at once inside one forward or backward graph,
   beyond its inputs (liveness over the graph's node order; a view is free; a backward's output cut from a
   larger buffer keeps the rest of it alive until the graph returns);
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from fxpar.rank_step import backward_halves, rank_step
+from fxpar.rank_step import backward_halves, boundary_meta, rank_step
 
 if TYPE_CHECKING:
     from fxpar.compiled import Compiled
@@ -89,6 +92,7 @@ def predict(c: Compiled, rank: int) -> Memory:
     whole_grads: dict[int, int] = {}  # per stage: bytes of one backward's unreduced gradients of dp shards
     saved: dict[int, int] = {}
     stash: dict[int, int] = {}  # per stage whose backward runs as halves: what W reads from B
+    kept: dict[int, _Boundary] = {}
     halves = backward_halves(c, rank)
     transient = 0
     for s in stages:
@@ -107,6 +111,7 @@ def predict(c: Compiled, rank: int) -> Memory:
                 grad_bytes[fqn] = shard + (full if fqn in rp.zero and c.plan.zero == 1 else 0)
                 whole_grads[s] = whole_grads.get(s, 0) + (full if fqn in rp.zero else 0)
         saved[s] = saved_bytes(rp.forward, prog.signature.num_outputs)
+        kept[s] = _boundary(rp.forward, prog.signature.num_outputs)
         unreduced = whole_grads.get(s, 0) if c.plan.zero >= 2 else 0
         if s in halves:  # B, then W reading B's stash (``fxpar.rank_step.backward_halves``)
             b, w = c.stage_graph(rank, s, "backward_b"), c.stage_graph(rank, s, "backward_w")
@@ -116,7 +121,7 @@ def predict(c: Compiled, rank: int) -> Memory:
             backward_end = largest_live_set(rp.backward, output_excess=True) + unreduced
         transient = max(transient, largest_live_set(rp.forward), backward_end)
     return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
-                  _activations_in_flight(c, rank, saved, stash), transient)
+                  _activations_in_flight(c, rank, saved, stash, kept), transient)
 
 
 def nbytes(node: fx.Node) -> int:
@@ -189,18 +194,67 @@ def _output_excess(outs: list[fx.Node]) -> dict[fx.Node, int]:
     return {root: nbytes(root) - n for root, n in used.items() if root.op == "call_function" and nbytes(root) > n}
 
 
-def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash: dict[int, int]) -> int:
-    """Peak saved bytes over the rank's step events: F adds its stage's set, the backward that finishes it
-    (``backward`` or ``backward_w``) frees it; a ``B`` of a split backward adds its stash until its ``W``."""
+@dataclass(frozen=True)
+class _Boundary:
+    """What a stage's transfers keep alive beyond its saved set."""
+
+    saved_inputs: frozenset[str]  # received placeholders the forward saves for backward (kept until it ends)
+    sent_forward: int  # bytes of forward outputs nothing else keeps: held by their send until the gradient returns
+
+
+def _boundary(forward: fx.GraphModule, num_outputs: int) -> _Boundary:
+    outs = [o for o in forward.graph.output_node().args[0]]
+    roots = {storage_root(o) for o in outs[num_outputs:] if isinstance(o, fx.Node)}
+    sent = sum(nbytes(o) for o in outs[:num_outputs] if isinstance(o, fx.Node)
+               and storage_root(o) not in roots and storage_root(o).op != "placeholder")
+    return _Boundary(frozenset(r.name for r in roots if r.op == "placeholder"), sent)
+
+
+def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash: dict[int, int],
+                           kept: dict[int, _Boundary]) -> int:
+    """Peak bytes over the rank's step events of what outlives one graph: F adds its stage's saved set, the backward
+    that finishes it (``backward`` or ``backward_w``) frees it; a ``B`` of a split backward adds its stash until its
+    ``W``. Transfers: a received activation lives until its forward (or, saved, until its backward ends), a
+    received gradient until that backward; a forward send holds its buffer until the gradient comes back (the
+    executor awaits it there), a backward send until the step's ``wait_sends``."""
+    coord = c.mesh.coord(rank)
     live = peak = 0
-    for event in rank_step(c, rank):
-        if event.kind == "F":
-            live += saved[event.stage]
-        elif event.graph == "backward_b":
-            live += stash[event.stage]
-        elif event.graph == "backward_w":
-            live -= saved[event.stage] + stash[event.stage]
-        elif event.graph == "backward":
-            live -= saved[event.stage]
+    until_forward: dict[tuple[int, int], int] = {}
+    until_backward: dict[tuple[int, int], int] = {}
+    forward_sends: dict[tuple[int, int], int] = {}
+    back_sends = 0
+    for e in rank_step(c, rank):
+        after = 0  # freed once the event is over
+        key = (e.stage, e.mb)
+        if e.kind == "RECV_F":
+            receiver = e.stage + 1
+            names = [b.placeholder for b in boundary_meta(c.stages[receiver], coord)]
+            for name, cm in zip(names, e.comms, strict=True):
+                held = until_backward if name in kept[receiver].saved_inputs else until_forward
+                held[(receiver, e.mb)] = held.get((receiver, e.mb), 0) + cm.row.bytes
+                live += cm.row.bytes
+        elif e.kind == "RECV_B":
+            live -= forward_sends.pop((e.stage - 1, e.mb), 0)
+            n = sum(cm.row.bytes for cm in e.comms)
+            until_backward[(e.stage - 1, e.mb)] = until_backward.get((e.stage - 1, e.mb), 0) + n
+            live += n
+        elif e.kind == "SEND_F":
+            forward_sends[key] = kept[e.stage].sent_forward
+            live += forward_sends[key]
+        elif e.kind == "SEND_B":
+            n = sum(cm.row.bytes for cm in e.comms)
+            back_sends += n
+            live += n
+        elif e.kind == "F":
+            live += saved[e.stage]
+            after = until_forward.pop(key, 0)
+        elif e.graph == "backward_b":
+            live += stash[e.stage]
+        elif e.graph in ("backward", "backward_w"):
+            after = saved[e.stage] + (stash[e.stage] if e.graph == "backward_w" else 0) + until_backward.pop(key, 0)
+        elif e.kind == "wait_sends":
+            after = back_sends + sum(forward_sends.values())
+            back_sends, forward_sends = 0, {}
         peak = max(peak, live)
+        live -= after
     return peak
