@@ -172,13 +172,14 @@ def test_a_sent_input_gradient_leaves_before_w_with_the_whole_backwards_gradient
         assert r["loss_diff"] == 0.0 and r["grad_diff"] == 0.0, (rank, r)
 
 
-def test_the_last_stage_drops_each_output_gradient_at_its_backward() -> None:
-    """1F1B keeps one microbatch in flight on the last stage, so one logits gradient at a time, not one per
-    microbatch until the step ends (a vocabulary-sized tensor each)."""
+def test_a_step_holds_only_the_boundary_tensors_in_flight() -> None:
+    """1F1B on pp=2 with 4 microbatches: the last stage holds one logits gradient at a time (not one per microbatch
+    until the step ends), and stage 0 awaits each forward send when its gradient comes back, so it holds the two
+    sends of its warm-up, not all four (a hidden state each)."""
     tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
     plan = fxpar.Plan(schedule="1f1b", microbatches=4)
-    held = default_pool().run(probes.output_grads_held, 2, {"pp": 2}, plan, tokens, timeout=300)
-    assert held == [0, 1]
+    held = default_pool().run(probes.held_during_step, 2, {"pp": 2}, plan, tokens, timeout=300)
+    assert held == [{"output_grads": 0, "forward_sends": 2}, {"output_grads": 1, "forward_sends": 0}]
 
 
 def test_int_stages_are_cost_balanced_and_shown_in_the_plan() -> None:

@@ -191,9 +191,10 @@ def backward_halves_against_whole(mesh_axes: dict[str, int], plan: Any, tokens: 
             "grad_diff": max((grads_h[n] - grads_w[n]).abs().max().item() for n in grads_h)}
 
 
-def output_grads_held(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor) -> int:
-    """Rank body: one ``pm.step`` of the bundled 2-layer Llama (seed 0); the most gradients of the last stage's
-    outputs (the logits' gradient for a language model) the step held at once, counted before each event."""
+def held_during_step(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor) -> dict[str, int]:
+    """Rank body: one ``pm.step`` of the bundled 2-layer Llama (seed 0); the most the step held at once, counted
+    before each event, of the last stage's output gradients (the logits' gradient for a language model) and of
+    the forward sends not yet awaited."""
     import fxpar
     from fxpar.models.llama import llama
     from fxpar.testing.error_models import next_token_loss
@@ -202,12 +203,13 @@ def output_grads_held(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor
     mesh = fxpar.Mesh(mesh_axes)
     pm = parallelize_once(functools.partial(llama, n_layers=2), mesh, (tokens,), plan, loss_fn=next_token_loss)
     executor = pm.step_executor()
-    dispatch, most = executor.dispatch, [0]
+    dispatch, most = executor.dispatch, {"output_grads": 0, "forward_sends": 0}
 
     def counting(e: Any, st: Any, *args: Any) -> None:
-        most[0] = max(most[0], len(st.output_grads))
+        most["output_grads"] = max(most["output_grads"], len(st.output_grads))
+        most["forward_sends"] = max(most["forward_sends"], len(st.forward_sends))
         dispatch(e, st, *args)
 
     executor.dispatch = counting
     pm.step(tokens, tokens)
-    return most[0]
+    return most
