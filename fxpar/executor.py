@@ -114,7 +114,7 @@ class StepExecutor:
             for fqn, g in self.totals(st).items():
                 self.state.add_local_grad(fqn, g)
         if trace is not None:
-            self.write_trace(trace, st.trace)
+            write_trace(trace, st.trace, self.rank)
         assert st.loss is not None, "a step's events end with the loss"
         return st.loss
 
@@ -280,11 +280,12 @@ class StepExecutor:
         dist.all_reduce(value)
         return value.float()
 
-    def write_trace(self, path: str, events: list[dict[str, Any]]) -> None:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, events)
-        if self.rank == 0:
-            flat = [e for rank_events in gathered for e in rank_events]
-            with open(path, "w") as f:
-                json.dump({"traceEvents": flat, "displayTimeUnit": "ms"}, f)
 
+def write_trace(path: str, events: list[dict[str, Any]], rank: int) -> None:
+    """Every rank's step events, gathered, as one Chrome trace written by rank 0 (collective)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, events)
+    if rank == 0:
+        flat = [e for rank_events in gathered for e in rank_events]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": flat, "displayTimeUnit": "ms"}, f)
