@@ -136,10 +136,10 @@ class StepExecutor:
         elif e.kind == "RECV_F":
             st.inbox[(e.stage + 1, e.mb)] = self.recv(e)
         elif e.kind == "RECV_B":
-            for work in st.forward_sends.pop((e.stage - 1, e.mb), []):  # its gradient is back: the send arrived
-                work.wait()
             meta = [b for b in self.recv_meta[e.stage] if b.has_grad]
             st.tangents[(e.stage - 1, e.mb)] = dict(zip([b.value for b in meta], self.recv(e), strict=True))
+            for work in st.forward_sends.pop((e.stage - 1, e.mb), []):  # its gradient is back: the send arrived
+                work.wait()
         elif e.kind == "wait_sends":
             for work in [*st.sends, *(w for works in st.forward_sends.values() for w in works)]:
                 work.wait()

@@ -233,8 +233,8 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
                 held = until_backward if name in kept[receiver].saved_inputs else until_forward
                 held[(receiver, e.mb)] = held.get((receiver, e.mb), 0) + cm.row.bytes
                 live += cm.row.bytes
-        elif e.kind == "RECV_B":
-            live -= forward_sends.pop((e.stage - 1, e.mb), 0)
+        elif e.kind == "RECV_B":  # the gradient arrives, then the executor awaits the activation's send
+            after = forward_sends.pop((e.stage - 1, e.mb), 0)
             n = sum(cm.row.bytes for cm in e.comms)
             until_backward[(e.stage - 1, e.mb)] = until_backward.get((e.stage - 1, e.mb), 0) + n
             live += n

@@ -81,8 +81,10 @@ def test_pipeline_activations_are_the_sets_the_schedule_keeps_in_flight() -> Non
                                  next_token_loss, timeout=300)
     first = results[0]
     assert first["in_flight"] == 2
-    sent = TOKENS.shape[0] // 4 * TOKENS.shape[1] * 64 * 4  # a microbatch's hidden state, held by its send until
-    assert first["predicted"].activations == 2 * (first["saved_per_microbatch"] + sent)  # the gradient comes back
+    # a microbatch's hidden state: held by its send until the gradient (of the same size) comes back; at that
+    # receive, two saved sets, two sent states and the gradient are alive
+    hidden = TOKENS.shape[0] // 4 * TOKENS.shape[1] * 64 * 4
+    assert first["predicted"].activations == 2 * (first["saved_per_microbatch"] + hidden) + hidden
     for r in results:
         mem = r["predicted"]
         assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
