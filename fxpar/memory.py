@@ -142,11 +142,14 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
+def saved_roots(forward: fx.GraphModule, num_outputs: int) -> set[fx.Node]:
+    """The storage roots of what the forward graph saves for backward (its outputs after ``num_outputs``)."""
+    return {storage_root(o) for o in forward.graph.output_node().args[0][num_outputs:] if isinstance(o, fx.Node)}
+
+
 def saved_bytes(forward: fx.GraphModule, num_outputs: int) -> int:
     """Bytes of new storage the forward graph saves for backward (placeholders and their views excluded)."""
-    outs = forward.graph.output_node().args[0][num_outputs:]
-    roots = {storage_root(o) for o in outs if isinstance(o, fx.Node)}
-    return sum(nbytes(r) for r in roots if r.op != "placeholder")
+    return sum(nbytes(r) for r in saved_roots(forward, num_outputs) if r.op != "placeholder")
 
 
 def stash_bytes(b: fx.GraphModule, n_input_grads: int) -> int:
@@ -203,9 +206,8 @@ class _Boundary:
 
 
 def _boundary(forward: fx.GraphModule, num_outputs: int) -> _Boundary:
-    outs = [o for o in forward.graph.output_node().args[0]]
-    roots = {storage_root(o) for o in outs[num_outputs:] if isinstance(o, fx.Node)}
-    sent = sum(nbytes(o) for o in outs[:num_outputs] if isinstance(o, fx.Node)
+    roots = saved_roots(forward, num_outputs)
+    sent = sum(nbytes(o) for o in forward.graph.output_node().args[0][:num_outputs] if isinstance(o, fx.Node)
                and storage_root(o) not in roots and storage_root(o).op != "placeholder")
     return _Boundary(frozenset(r.name for r in roots if r.op == "placeholder"), sent)
 
