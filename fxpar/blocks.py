@@ -38,6 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+from fxpar.mixed_precision import raw_parameter
 from fxpar.not_shared import NotShared
 from fxpar.taken_off import BlockState
 
@@ -274,7 +275,7 @@ def _state_inputs(module: torch.nn.Module, state: BlockState | None, params: dic
     the export traces the tensor it put there)."""
     if state is None:
         return (*params.values(), *buffers.values())
-    return (module.get_parameter(state.token),) if state.token else ()
+    return (raw_parameter(module, state.token),) if state.token else ()
 
 
 @dataclass(frozen=True)

@@ -196,3 +196,16 @@ def test_zero1_bf16_working_copy_of_a_tied_weight_matches() -> None:
     # the tied table is read through two casts (embedding and head): both read the one bf16 working copy
     plan = fxpar.Plan(tp=llama_plan(), zero=1, **MIXED)
     assert_equivalent(partial(llama, n_layers=2, tie_embeddings=True), {"dp": 2, "tp": 2}, plan, (TOKENS,), steps=2)
+
+
+def test_parameters_read_outside_their_modules_forward_are_cast_too() -> None:
+    # nn.MultiheadAttention reads out_proj.weight without calling out_proj, and the head reads the embedding's
+    # weight from the root: each is handed over in bf16 (FSDP2 casts a whole unit's parameters), not left fp32
+    from fxpar.testing.user_models import attention_encoder
+
+    tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    program = fxpar.parallelize(attention_encoder(), fxpar.Mesh({"dp": 2}, fake=True), (tokens,),
+                                plan=fxpar.Plan(**MIXED)).program(0)
+    assert "_to_copy(attn_0_out_proj_weight, dtype=torch.bfloat16)" in program
+    assert "_to_copy(embed_weight, dtype=torch.bfloat16)" in program
+    assert_equivalent(attention_encoder, {"dp": 2}, fxpar.Plan(zero=2, **MIXED), (tokens,), steps=2)

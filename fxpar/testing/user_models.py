@@ -42,3 +42,24 @@ class TemporalConv(nn.Module):
 
 def temporal_conv() -> TemporalConv:
     return TemporalConv()
+
+
+class AttentionEncoder(nn.Module):
+    """``nn.MultiheadAttention`` blocks (it hands its child ``out_proj``'s weight to its functional form without
+    calling ``out_proj``), then logits read straight off the embedding table (a head tied by hand, ``F.linear``)."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.attn = nn.ModuleList(nn.MultiheadAttention(width, heads, batch_first=True) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for attn in self.attn:
+            x = x + attn(x, x, x, need_weights=False)[0]
+        return nn.functional.linear(self.norm(x), self.embed.weight)
+
+
+def attention_encoder() -> AttentionEncoder:
+    return AttentionEncoder()
