@@ -28,8 +28,21 @@ Placements = tuple[Placement, ...]
 SPLIT_ADDMM = "split_addmm"  # node meta: an add capture took out of an addmm (fxpar.lower.fuse_bias)
 
 
-# the first ``name.<index>`` in a module path: one entry of a repeated block (``layers.3`` of ``layers.3.mlp.up``)
-BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+# the first ``name.<index>`` in a module path: one entry of a repeated block (``layers.3`` of ``layers.3.mlp.up``;
+# ``3`` of ``3.mlp.up`` in a root ``nn.Sequential``)
+BLOCK = re.compile(r"^(?:(.*?)\.)?(\d+)(?:\.|$)")
+
+
+def block_entry(path: str) -> tuple[str, int] | None:
+    """The repeated block ``path`` sits in, as (container path, index): ``("layers", 3)`` for ``layers.3.mlp.up``,
+    ``("", 3)`` for ``3.mlp.up`` under a root ``nn.Sequential``; ``None`` outside any numbered container."""
+    m = BLOCK.match(path)
+    return (m.group(1) or "", int(m.group(2))) if m else None
+
+
+def entry_path(prefix: str, index: int) -> str:
+    """The module path of entry ``index`` of the container at ``prefix`` (``block_entry``'s inverse)."""
+    return f"{prefix}.{index}" if prefix else str(index)
 
 
 @dataclass(frozen=True)

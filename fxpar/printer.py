@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from fxpar.backends.comm import c10d, rank_sizes
 from fxpar.compiled import Compiled
 from fxpar.gc_pause import without_gc_pauses
-from fxpar.ir import BLOCK, Program
+from fxpar.ir import Program, block_entry, entry_path
 from fxpar.lower import LedgerRow, RankProgram
 from fxpar.lower.collectives import COORD_SLICE
 from fxpar.memory import saved_bytes
@@ -297,9 +297,9 @@ def held_modules(prog: Program) -> str:
     """The modules whose parameters a stage program holds, repeated blocks as ranges: ``embed, layers.0-7``."""
     runs: list[list[Any]] = []  # [prefix, first, last] of block ranges, or [module] for the rest
     for fqn, _ in prog.signature.params:
-        m = BLOCK.match(fqn)
-        if m:
-            prefix, i = m.group(1), int(m.group(2))
+        entry = block_entry(fqn)
+        if entry:
+            prefix, i = entry
             if runs and len(runs[-1]) == 3 and runs[-1][0] == prefix and i in (runs[-1][2], runs[-1][2] + 1):
                 runs[-1][2] = i
                 continue
@@ -308,7 +308,8 @@ def held_modules(prog: Program) -> str:
         module = fqn.rsplit(".", 1)[0] if "." in fqn else fqn
         if not runs or runs[-1] != [module]:
             runs.append([module])
-    return ", ".join(r[0] if len(r) == 1 else f"{r[0]}.{r[1]}" + (f"-{r[2]}" if r[2] != r[1] else "") for r in runs)
+    return ", ".join(r[0] if len(r) == 1 else entry_path(r[0], r[1]) + (f"-{r[2]}" if r[2] != r[1] else "")
+                     for r in runs)
 
 
 def _stage_peers(c: Compiled, rank: int, stage: int) -> str:

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.errors import PlanError
-from fxpar.ir import BLOCK, Program
+from fxpar.ir import Program, block_entry, entry_path
 from fxpar.pass_context import Context
 
 aten = torch.ops.aten
@@ -66,8 +66,8 @@ def _closed(chosen: set[fx.Node]) -> set[fx.Node]:
 
 def _block(prog: Program, node: fx.Node) -> str | None:
     prov = prog.provenance.get(node.name)
-    match = BLOCK.match(prov.module) if prov is not None and prov.module else None
-    return f"{match.group(1)}.{match.group(2)}" if match else None
+    entry = block_entry(prov.module) if prov is not None and prov.module else None
+    return entry_path(*entry) if entry else None
 
 
 def is_backward(prog: Program, node: fx.Node) -> bool:

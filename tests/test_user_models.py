@@ -6,7 +6,7 @@ import torch
 
 import fxpar
 from fxpar.testing import assert_equivalent
-from fxpar.testing.user_models import stacked_lstm, temporal_conv
+from fxpar.testing.user_models import residual_stack, stacked_lstm, temporal_conv
 
 
 def test_stacked_lstm_matches_single_device() -> None:
@@ -22,3 +22,15 @@ def test_group_norm_on_a_sharded_batch_matches_single_device() -> None:
     one made the kernel reshape 4 rows as 8 (dp=2, ZeRO-2, fp32, rtol 1e-5)."""
     x = torch.randn(8, 8, 12, generator=torch.Generator().manual_seed(0))
     assert_equivalent(temporal_conv, {"dp": 2}, fxpar.Plan(zero=2), (x,), steps=2)
+
+
+def test_blocks_of_a_root_sequential_are_recomputed_and_printed_as_ranges() -> None:
+    """An ``nn.Sequential`` model's blocks have paths ``1`` .. ``4``: recompute finds them, the stage header prints
+    them as ranges, and recomputed steps match the single device (dp=2, ZeRO-1, fp32, rtol 1e-5)."""
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    pm = fxpar.parallelize(residual_stack(), fxpar.Mesh({"pp": 2}, fake=True), (x,),
+                           plan=fxpar.Plan(stages=2, microbatches=2, recompute="full"),
+                           loss_fn=lambda out, y: out.square().mean(), example_targets=x[:, :5])
+    assert "# holds   0-2" in pm.program(0) and "# holds   3-5" in pm.program(1)
+    assert "recompute" in pm.program(0).split("def backward")[1]
+    assert_equivalent(residual_stack, {"dp": 2}, fxpar.Plan(zero=1, recompute="full"), (x,), steps=2)

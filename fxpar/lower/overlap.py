@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.backends.comm import c10d, group_arg_index
-from fxpar.ir import BLOCK
+from fxpar.ir import block_entry
 
 aten = torch.ops.aten
 InFlight = Literal["many", "group", "process", "none"]
@@ -193,9 +193,9 @@ def _prefetch_bounds(issues: list[fx.Node], wait_of: dict[fx.Node, fx.Node], ord
     by_block: dict[tuple[str, int], list[fx.Node]] = {}
     for c in issues:
         if _is_param_gather(c) and c in wait_of:
-            m = BLOCK.match(c.meta.get("module", ""))
-            if m:
-                by_block.setdefault((m.group(1), int(m.group(2))), []).append(c)
+            entry = block_entry(c.meta.get("module", ""))
+            if entry:
+                by_block.setdefault(entry, []).append(c)
     bounds = {}
     for (prefix, b), gathers in by_block.items():
         previous = by_block.get((prefix, b - 1))

@@ -63,3 +63,21 @@ class AttentionEncoder(nn.Module):
 
 def attention_encoder() -> AttentionEncoder:
     return AttentionEncoder()
+
+
+class Residual(nn.Module):
+    """RMSNorm, an expanding tanh MLP and a residual add."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def residual_stack(width: int = 24, blocks: int = 4) -> nn.Sequential:
+    """An ``nn.Sequential`` at the root: its repeated blocks are ``1`` .. ``blocks`` (no container name)."""
+    return nn.Sequential(nn.Linear(12, width), *(Residual(width) for _ in range(blocks)), nn.Linear(width, 5))
