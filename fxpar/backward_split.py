@@ -6,6 +6,8 @@ rest of the nodes the parameter-gradient outputs need. B also returns the values
 
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
 from fxpar.ir import graph_module
@@ -23,6 +25,9 @@ def split_backward(backward: fx.GraphModule, input_grad_positions: set[int]) -> 
     outs = list(g.output_node().args[0])
     phs = [n for n in g.nodes if n.op == "placeholder"]
     b_nodes = _ancestors([outs[i] for i in sorted(input_grad_positions) if isinstance(outs[i], fx.Node)])
+    # the items of B's multi-output nodes (a norm's backward: input, weight and bias gradients) are B's: W then
+    # reads tensors, never a tuple (a compiled graph returns tensors only)
+    b_nodes |= {u for n in b_nodes for u in n.users if u.target is operator.getitem}
     w_roots = [o for i, o in enumerate(outs) if i not in input_grad_positions and isinstance(o, fx.Node)]
     w_nodes = _ancestors(w_roots) - b_nodes
     stash = [n for n in g.nodes if n in b_nodes and n.op != "placeholder" and any(u in w_nodes for u in n.users)]

@@ -172,6 +172,21 @@ def test_a_sent_input_gradient_leaves_before_w_with_the_whole_backwards_gradient
         assert r["loss_diff"] == 0.0 and r["grad_diff"] == 0.0, (rank, r)
 
 
+def test_b_hands_w_tensors_not_the_tuples_of_multi_output_nodes() -> None:
+    """A LayerNorm's backward returns (input, weight, bias) gradients: B keeps the input gradient and hands W the
+    other items one by one. Handing W the tuple ran eagerly, but Inductor (``compile=True``) compiles graphs that
+    return tensors only and refused the B graph."""
+    from fxpar.testing.user_models import residual_stack
+
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    pm = fxpar.parallelize(residual_stack(), fxpar.Mesh({"pp": 2}, fake=True), (x,),
+                           plan=fxpar.Plan(stages=2, microbatches=2), loss_fn=lambda out, y: out.square().mean(),
+                           example_targets=x[:, :5])
+    b = pm._compiled.stage_graph(1, 1, "backward_b")
+    assert "native_layer_norm_backward" in b.code
+    assert all(isinstance(o.meta["val"], torch.Tensor) for o in b.graph.output_node().args[0])
+
+
 def test_a_step_holds_only_the_boundary_tensors_in_flight() -> None:
     """1F1B on pp=2 with 4 microbatches: the last stage holds one logits gradient at a time (not one per microbatch
     until the step ends), and stage 0 awaits each forward send when its gradient comes back, so it holds the two

@@ -66,11 +66,11 @@ def attention_encoder() -> AttentionEncoder:
 
 
 class Residual(nn.Module):
-    """RMSNorm, an expanding tanh MLP and a residual add."""
+    """LayerNorm, an expanding tanh MLP and a residual add."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.norm = nn.RMSNorm(width)
+        self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
 
