@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxpar.errors import FxparWarning, PlanError
+from fxpar.errors import FxparWarning, PlanError, close_matches
 from fxpar.ir import Program, Provenance, graph_module
 from fxpar.modules import ModuleTable
 from fxpar.pass_context import Context
@@ -84,7 +84,9 @@ def choose_modules(table: ModuleTable, spec: str | dict[str, str]) -> dict[str, 
         _check_recipe(recipe, f"fp8[{glob!r}]")
         matched = [p for p in modules if p and fnmatch.fnmatchcase(p, glob)]
         if not matched:
-            raise PlanError(f"fp8[{glob!r}] matches no module of the model")
+            hint = close_matches(glob, list(linears)) or close_matches(glob.replace("*", "0"), list(linears))
+            raise PlanError(f"fp8[{glob!r}] matches no module of the model"
+                            + (f"; did you mean: {', '.join(hint)}?" if hint else ""))
         for path in matched:
             mod = modules[path]
             if mod.kind != "linear":

@@ -89,6 +89,8 @@ def test_fp8_errors_name_the_module() -> None:
         fxpar.parallelize(model, mesh, (tokens,), plan=fxpar.Plan(fp8={"1": "tensorwise"}))
     with pytest.raises(fxpar.PlanError, match=r"the recipe must be one of"):
         fxpar.parallelize(model, mesh, (tokens,), plan=fxpar.Plan(fp8="blockwise"))
+    with pytest.raises(fxpar.PlanError, match=r"fp8\['11'\] matches no module of the model; did you mean: 1\?"):
+        fxpar.parallelize(model, mesh, (tokens,), plan=fxpar.Plan(fp8={"11": "tensorwise"}))
 
 
 def test_fp8_composes_with_zero3_tp_and_sequence_parallel() -> None:
