@@ -223,17 +223,17 @@ def without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
     """Turn off a Hugging Face model's KV cache (``config.use_cache``) for the duration, then restore it.
 
     fxpar compiles a training step; HF decoders default to returning a ``DynamicCache``, which is not a
-    pytree ``torch.export`` can return and which no training loss reads.
+    pytree ``torch.export`` can return and which no training loss reads. Every config a submodule holds is
+    turned off too: an encoder-decoder's decoder stack keeps its own copy (T5's reads it for ``use_cache=None``).
     """
-    config = getattr(model, "config", None)
-    if not getattr(config, "use_cache", False):
-        yield
-        return
-    config.use_cache = False
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)}
+    for c in configs.values():
+        c.use_cache = False
     try:
         yield
     finally:
-        config.use_cache = True
+        for c in configs.values():
+            c.use_cache = True
 
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.ExportedProgram:

@@ -113,6 +113,17 @@ def test_expert_parallel_compiles_and_routes_tokens(family: str) -> None:
     assert "ep:S(0)" in pm.program(0)
 
 
+def test_an_encoder_decoder_with_its_kv_cache_on_compiles_matches_and_keeps_its_configs() -> None:
+    """T5's decoder stack holds its own copy of the config and returns an ``EncoderDecoderCache`` while
+    ``use_cache`` is on there: compiling turns every config's cache off for the trace (and back on after), and the
+    equivalence harness runs the reference as the compiled step runs (dp=2, ZeRO-2, fp32)."""
+    model = hf_families.t5_with_cache()
+    fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), hf_families.inputs("t5"))
+    assert model.config.use_cache and model.decoder.config.use_cache
+    assert_equivalent(hf_families.t5_with_cache, {"dp": 2}, fxpar.Plan(zero=2), hf_families.inputs("t5", seed=1),
+                      steps=2)
+
+
 def test_families_without_an_hf_plan_say_so() -> None:
     with pytest.raises(fxpar.PlanError, match="tp_plan"):
         _compile("gpt2", {"tp": 2}, fxpar.Plan(tp="hf"))

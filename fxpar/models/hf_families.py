@@ -100,6 +100,14 @@ def t5() -> torch.nn.Module:
                   pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False)
 
 
+def t5_with_cache() -> torch.nn.Module:
+    """``t5`` with the config's default ``use_cache=True``, as HF builds it: on in the model's config and in the
+    decoder stack's own copy of it (the encoder's copy is always off)."""
+    model = t5()
+    model.config.use_cache = model.decoder.config.use_cache = True
+    return model
+
+
 def bart() -> torch.nn.Module:
     return _build("BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=HIDDEN,
                   encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,

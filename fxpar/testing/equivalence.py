@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 import fxpar
+from fxpar.capture import without_kv_cache
 from fxpar.mixed_precision import computing_in
 from fxpar.split import batch_ranks
 from fxpar.testing.collectives import LOSS_REPORT, CollectiveCounter, ledger_mismatch
@@ -215,7 +216,8 @@ def check_rank(case: Case) -> RankReport:
     rank = dist.get_rank()
     mesh = fxpar.Mesh(case.mesh_axes)
     reference, model = _build_twice(case)
-    with computing_in(reference, _param_dtype(case)):  # the reference makes the plan's casts (mixed precision)
+    # the reference makes the plan's casts (mixed precision) and, as the compiled step, returns no KV cache
+    with computing_in(reference, _param_dtype(case)), without_kv_cache(reference):
         return _check_rank(case, mesh, rank, reference, model)
 
 
