@@ -14,6 +14,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.backends.comm import bind_groups
 from fxpar.compiled import Compiled
+from fxpar.direct_calls import direct_calls
 from fxpar.executor import StageRunner
 from fxpar.inductor import compiled_graph
 from fxpar.ir import Program
@@ -155,7 +156,7 @@ def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str
     bound = {name: bind_groups(gm, names, reinplace=eager) for name, gm in graphs.items() if gm is not None}
     if not eager:  # Inductor, on each graph's first call
         return {name: compiled_graph(gm, f"rank {rank} stage {stage} {name}") for name, gm in bound.items()}
-    return bound
+    return {name: direct_calls(gm) for name, gm in bound.items()}
 
 
 def param_placements(prog: Program, fqn: str, name: str) -> list[Placement]:
