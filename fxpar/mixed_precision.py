@@ -55,28 +55,13 @@ def computing_in(model: torch.nn.Module, param_dtype: torch.dtype | None) -> Ite
                 del module.forward
 
 
-class _CastOnRead(dict):
-    """A module's parameters while a casting forward runs: a floating one read by other code than the module's own
-    ``forward`` (``nn.MultiheadAttention`` passes ``out_proj.weight`` to its functional form, a tied head reads the
-    embedding's weight) is read cast to ``dtype``, once per outermost call, as FSDP2 hands every module of a unit
-    its parameters in ``param_dtype``. The module's own forward stores its cast copies here itself."""
-
-    def __init__(self, params: dict[str, Any], dtype: torch.dtype, made: dict[tuple[int, str], Any]) -> None:
-        super().__init__(params)
-        self.dtype, self.made = dtype, made
-
-    def __getitem__(self, name: str) -> Any:
-        p = dict.__getitem__(self, name)
-        if p is None or not p.is_floating_point() or p.dtype == self.dtype:
-            return p
-        key = (id(self), name)
-        if key not in self.made or self.made[key][0] is not p:
-            self.made[key] = (p, p.to(self.dtype))
-        return self.made[key][1]
-
-
 class _CastScope:
-    """While the outermost casting forward of ``model`` runs, every module's ``_parameters`` is a ``_CastOnRead``."""
+    """While the outermost casting forward of ``model`` runs, a floating parameter read by other code than its
+    module's own ``forward`` reads cast to ``dtype``, once per outermost call: ``nn.MultiheadAttention`` hands its
+    child ``out_proj``'s weight to its functional form without calling ``out_proj``; a hand-tied head reads the
+    embedding's weight. FSDP2 hands every module of a unit its parameters in ``param_dtype`` alike. Each module
+    reads through a subclass of its class with the same names (``_cast_reading``), as
+    ``fxpar.blocks.recording_reads`` records reads; a module's own forward stores its cast copies itself."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         self.model, self.dtype, self.depth = model, dtype, 0
@@ -90,24 +75,49 @@ class _CastScope:
             finally:
                 self.depth -= 1
             return
-        made: dict[tuple[int, str], Any] = {}
-        swapped = [(m, m.__dict__["_parameters"]) for m in self.model.modules() if m._parameters]
-        for m, params in swapped:
-            m.__dict__["_parameters"] = _CastOnRead(params, self.dtype, made)
+        made: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # every module, not only those holding parameters now: a repeated block's are off it while the model is
+        # exported (``fxpar.taken_off``) and back on while its code runs
+        swapped = [(m, type(m)) for m in self.model.modules()]
         self.depth = 1
         try:
+            for m, cls in swapped:
+                m.__class__ = _cast_reading(cls)
+                m.__dict__[_CAST] = (self.dtype, made)
             yield
         finally:
             self.depth = 0
-            for m, params in swapped:
-                m.__dict__["_parameters"] = params
+            for m, cls in swapped:
+                m.__class__ = cls
+                m.__dict__.pop(_CAST, None)
+
+
+_CAST = "_fxpar_cast"
+_CAST_READING: dict[type, type] = {}
+
+
+def _cast_reading(cls: type) -> type:
+    if cls not in _CAST_READING:
+        def __getattr__(self: Any, name: str) -> Any:  # noqa: N807
+            value = cls.__getattr__(self, name)
+            dtype, made = self.__dict__[_CAST]
+            if (not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == dtype
+                    or self.__dict__["_parameters"].get(name) is not value):
+                return value  # not a parameter, or already the forward's cast copy
+            key = (id(self), name)
+            if key not in made or made[key][0] is not value:
+                made[key] = (value, value.to(dtype))
+            return made[key][1]
+
+        _CAST_READING[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
+                                                         "__qualname__": cls.__qualname__})
+    return _CAST_READING[cls]
 
 
 def raw_parameter(module: torch.nn.Module, path: str) -> torch.nn.Parameter:
     """``module.get_parameter(path)`` as stored, not as a casting forward hands it to the model's code."""
     *owner, name = path.split(".")
-    sub = module.get_submodule(".".join(owner))
-    return dict.__getitem__(sub._parameters, name)
+    return module.get_submodule(".".join(owner))._parameters[name]
 
 
 def _casting_forward(module: torch.nn.Module, forward: Callable[..., Any], names: list[str], dtype: torch.dtype,
@@ -117,7 +127,7 @@ def _casting_forward(module: torch.nn.Module, forward: Callable[..., Any], names
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _cast_input(t, dtype), (args, kwargs))
         with scope.entered():
             params = module._parameters
-            saved = {n: dict.__getitem__(params, n) for n in names}
+            saved = {n: params[n] for n in names}
             try:
                 for n, p in saved.items():
                     params[n] = p.to(dtype)  # a plain tensor: the module reads it as its parameter

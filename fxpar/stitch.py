@@ -293,7 +293,11 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
             if sorted(grad_outputs) != sorted(rep.tangents.values()) or list(grad_inputs) != sorted(rep.grads):
                 raise NotShared(f"{site.path}: the gradients the model passes differ from the block's own")
             for ph, k in rep.tangents.items():
-                renv[ph] = env[grads[list(grad_outputs).index(k)]]
+                grad = grads[list(grad_outputs).index(k)]
+                if not _same_layout(grad.meta.get("val"), ph.meta.get("val")):
+                    raise NotShared(f"{site.path}: a gradient reaches the block in another memory layout than its "
+                                    "trace assumed (the ops it picks, a view or a copy, would differ)")
+                renv[ph] = env[grad]
             starts = absorbed(n, rep.sums, env)
             merged.update(starts)
             onto = {first: env[add.args[0]] for add, first in starts.items()}
@@ -308,6 +312,13 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
             env[n].meta = dict(n.meta)
     outer.take_dropped(dropped_last, unpacked)
     return graph_module(gm, g)
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether two traced values have the same shape and strides (a block's graph was traced for its tangent's)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a is None and b is None
+    return a.shape == b.shape and a.stride() == b.stride()
 
 
 _ILLEGAL = fx.graph._illegal_names

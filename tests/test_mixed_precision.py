@@ -206,6 +206,6 @@ def test_parameters_read_outside_their_modules_forward_are_cast_too() -> None:
     tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     program = fxpar.parallelize(attention_encoder(), fxpar.Mesh({"dp": 2}, fake=True), (tokens,),
                                 plan=fxpar.Plan(**MIXED)).program(0)
-    assert "_to_copy(attn_0_out_proj_weight, dtype=torch.bfloat16)" in program
+    assert "_to_copy(layers_0_attn_out_proj_weight, dtype=torch.bfloat16)" in program
     assert "_to_copy(embed_weight, dtype=torch.bfloat16)" in program
     assert_equivalent(attention_encoder, {"dp": 2}, fxpar.Plan(zero=2, **MIXED), (tokens,), steps=2)

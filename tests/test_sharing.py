@@ -298,6 +298,43 @@ def test_a_block_sums_outside_gradients_in_the_whole_model_order(monkeypatch: py
     assert texts[True] == texts[False]
 
 
+def test_a_gradient_in_another_layout_than_the_block_traced_is_captured_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocks' outputs keep a transposed layout, so the block is traced with such a gradient; the last block's
+    comes back contiguous from the pooled head. Its graph would copy where the whole-model one views: the model is
+    captured whole (the program is the whole-model one), and says why."""
+    from fxpar.testing.user_models import patch_encoder
+
+    image = (torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)),)
+    texts = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(patch_encoder, {"dp": 2}, image)
+            texts[on] = pm.program(0)
+    assert texts[True] == texts[False]
+    assert "memory layout" in pm_reason(_compile(patch_encoder, {"dp": 2}, image))
+
+
+def test_mixed_precision_blocks_reading_a_childs_weight_are_shared_as_traced_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nn.MultiheadAttention`` blocks under bf16: the weight it reads off its ``out_proj`` is cast on read, also
+    while the block's state is taken off it for the model's export; the shared program is the whole-model one."""
+    from fxpar.testing.user_models import AttentionEncoder
+
+    tokens = (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0)),)
+    plan = fxpar.Plan(zero=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    texts = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(functools.partial(AttentionEncoder, layers=3), {"dp": 2}, tokens, plan)
+            assert pm._compiled.stages[0].notes["captures"].whole is not on, pm_reason(pm)
+            texts[on] = pm.program(1)
+    assert texts[True] == texts[False]
+
+
+def pm_reason(pm: fxpar.ParallelModule) -> str:
+    return pm._compiled.stages[0].notes["captures"].reason
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA mesh is traced on CUDA's kernels: needs a GPU")
 @pytest.mark.parametrize(("family", "plan"), [("llama", None), ("qwen2", fxpar.Plan(tp="hf", sequence_parallel=True)),
                                               ("qwen2", fxpar.Plan(param_dtype=torch.bfloat16))])

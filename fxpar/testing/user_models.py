@@ -44,20 +44,33 @@ def temporal_conv() -> TemporalConv:
     return TemporalConv()
 
 
+class AttentionBlock(nn.Module):
+    """LayerNorm, then ``nn.MultiheadAttention``, which hands its child ``out_proj``'s weight to its functional form
+    without calling ``out_proj``, and a residual add."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return x + self.attn(y, y, y, need_weights=False)[0]
+
+
 class AttentionEncoder(nn.Module):
-    """``nn.MultiheadAttention`` blocks (it hands its child ``out_proj``'s weight to its functional form without
-    calling ``out_proj``), then logits read straight off the embedding table (a head tied by hand, ``F.linear``)."""
+    """``AttentionBlock``s, then logits read straight off the embedding table (a head tied by hand, ``F.linear``)."""
 
     def __init__(self, vocab: int = 64, width: int = 32, heads: int = 4, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.attn = nn.ModuleList(nn.MultiheadAttention(width, heads, batch_first=True) for _ in range(layers))
+        self.layers = nn.ModuleList(AttentionBlock(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        for attn in self.attn:
-            x = x + attn(x, x, x, need_weights=False)[0]
+        for layer in self.layers:
+            x = layer(x)
         return nn.functional.linear(self.norm(x), self.embed.weight)
 
 
@@ -81,3 +94,26 @@ class Residual(nn.Module):
 def residual_stack(width: int = 24, blocks: int = 4) -> nn.Sequential:
     """An ``nn.Sequential`` at the root: its repeated blocks are ``1`` .. ``blocks`` (no container name)."""
     return nn.Sequential(nn.Linear(12, width), *(Residual(width) for _ in range(blocks)), nn.Linear(width, 5))
+
+
+class PatchEncoder(nn.Module):
+    """An image's patches as tokens (a strided convolution, then flatten and transpose: not contiguous), residual
+    blocks that keep that layout, and a mean-pooled head, whose backward hands the last block a contiguous
+    gradient where the others get the patches' layout."""
+
+    def __init__(self, width: int = 16, blocks: int = 2, classes: int = 3) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, width, 4, 4)
+        self.blocks = nn.ModuleList(Residual(width) for _ in range(blocks))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.patch(image).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+
+def patch_encoder() -> PatchEncoder:
+    return PatchEncoder()
