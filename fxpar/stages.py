@@ -144,9 +144,12 @@ def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,
     """Split points for ``n_stages`` cost-balanced stages, at block boundaries (min over splits of max stage cost)."""
     blocks = block_paths(model)
     if n_stages > max(len(blocks), 1):
-        raise PlanError(f"stages={n_stages} is more than the {len(blocks)} splittable blocks of "
-                        f"{type(model).__name__} ({', '.join(blocks[:3])}{', ...' if len(blocks) > 3 else ''}); "
-                        "use fewer stages, or name the modules that start each stage")
+        found = (f"the {len(blocks)} splittable blocks of {type(model).__name__} ({', '.join(blocks[:3])}"
+                 f"{', ...' if len(blocks) > 3 else ''})" if blocks else
+                 f"the splittable blocks of {type(model).__name__}: it has no nn.ModuleList or nn.Sequential of "
+                 "repeated blocks (a block applied several times is one module)")
+        raise PlanError(f"stages={n_stages} is more than {found}; use fewer stages, or name the modules that start "
+                        "each stage (Plan(stages=[...]))")
     stage = assign_stages(gm.graph, blocks[1:])
     seg_costs = [0.0] * len(blocks)
     for n, s in stage.items():
