@@ -1,4 +1,5 @@
-"""Gloo corrupts the heap when several collectives are in flight on one process group; one at a time it does not.
+"""Gloo corrupts the heap now and then: once in about 70,000 batches with several collectives in flight on one group,
+and more rarely with fewer in flight (bench/README.md section 12 counts every setting).
 
 Four gloo ranks on a 2 x 2 mesh run ``--iters`` batches of 1-8 functional collectives (reduce-scatters,
 all-gathers and all-reduces of small tensors, as ZeRO with overlap issues them), with allocations between
