@@ -73,7 +73,8 @@ def timed_step(pm: fxpar.ParallelModule, tokens: torch.Tensor) -> list[dict[str,
     t0 = time.perf_counter()
     runner = pm._runners[0]
     graphs = {k: getattr(runner, k) for k in ("forward", "backward", "reduce") if getattr(runner, k) is not None}
-    for key, gm in graphs.items():
+    for key, run in graphs.items():  # the GraphModule under fxpar.direct_calls, interpreted node by node
+        gm = getattr(run, "graph_module", run)
         setattr(runner, key, lambda *a, gm=gm: WaitTimer(gm, events, t0).run(*a))
     try:
         pm.step(tokens, tokens)

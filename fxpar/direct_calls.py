@@ -25,11 +25,24 @@ _CALL = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
 def direct_calls(gm: fx.GraphModule) -> Callable[..., Any]:
     """``gm``'s forward with every op call bound to the op's C++ entry point (``gm`` itself when turned off).
 
-    Requires: ``gm`` recompiled since its graph last changed. Ensures: the callable returns what ``gm(*args)``
-    returns; ``.graph_module`` is ``gm``.
+    Ensures: the callable returns what ``gm(*args)`` returns; ``.graph_module`` is ``gm``, and an edit of ``gm``'s
+    graph followed by ``gm.recompile()`` (fault-injection tests do this) is what the next call runs.
     """
     if os.environ.get(DIRECT_CALLS_ENV, "1") == "0":
         return gm
+    state: dict[str, Any] = {"code": None, "forward": None}
+
+    def run(*args: Any) -> Any:
+        code = gm.code
+        if code is not state["code"]:  # first call, or recompiled since
+            state["code"], state["forward"] = code, _bound_forward(gm, code)
+        return state["forward"](gm, *args)
+
+    run.graph_module = gm  # type: ignore[attr-defined]
+    return run
+
+
+def _bound_forward(gm: fx.GraphModule, code: str) -> Callable[..., Any]:
     bound: dict[str, Any] = {}
 
     def bind(m: re.Match[str]) -> str:
@@ -39,13 +52,7 @@ def direct_calls(gm: fx.GraphModule) -> Callable[..., Any]:
             bound[name] = getattr(getattr(getattr(torch.ops, namespace), op), overload)._op
         return name + "("
 
-    source = _CALL.sub(bind, gm.code)
+    source = _CALL.sub(bind, code)
     scope = {**gm.forward.__globals__, **bound}
     exec(compile(source, f"<fxpar direct calls {id(gm):x}>", "exec"), scope)  # noqa: S102 - gm's own code
-    forward = scope["forward"]
-
-    def run(*args: Any) -> Any:
-        return forward(gm, *args)
-
-    run.graph_module = gm  # type: ignore[attr-defined]
-    return run
+    return scope["forward"]

@@ -209,7 +209,7 @@ class ParallelModule(RankParameters):
         graphs = {"forward": runner.forward, "backward": runner.backward}
         if runner.reduce is not None:
             graphs["reduce_grads"] = runner.reduce
-        return graphs
+        return {name: getattr(g, "graph_module", g) for name, g in graphs.items()}  # under ``fxpar.direct_calls``
 
     def save(self, folder: str) -> list[str]:
         """Write every rank's training executable into ``folder``: ``rank<r>.py`` (its programs, step events and

@@ -27,6 +27,14 @@ def test_direct_calls_run_the_same_code_to_the_bit() -> None:
             else torch.randint(0, 256, n.meta["val"].shape) for n in forward.graph.find_nodes(op="placeholder")]
     want, got = forward(*args), run(*args)
     assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    # an edit of the graph, then recompile(), is what the next call runs (fault injection edits executed graphs)
+    out = forward.graph.output_node()
+    first = out.args[0][0]
+    with forward.graph.inserting_before(out):
+        doubled = forward.graph.call_function(torch.ops.aten.mul.Tensor, (first, 2))
+    out.args = ((doubled, *out.args[0][1:]),)
+    forward.recompile()
+    assert torch.equal(run(*args)[0], 2 * want[0])
 
 
 def test_direct_calls_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
