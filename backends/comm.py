@@ -2,7 +2,8 @@
 
 Lowered graphs call ``torch.ops._c10d_functional`` with a symbolic group name such as
 ``"tp[2,3]"``; ``bind_groups`` rewrites those names to the real process groups of a launched
-mesh. Saved standalone programs call the thin wrappers below instead.
+mesh. Saved standalone programs call the thin wrappers below instead; on gloo they run through the classic API
+(``fxpar.backends.classic``), as bound rank graphs do.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from fxpar.backends import classic
+from fxpar.backends.classic import CLASSIC, gloo_collectives
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = {
@@ -63,6 +67,16 @@ def _resolve(group: str) -> str:
     return _GROUPS.get(group, group)
 
 
+def _classic(name: str) -> bool:
+    """Whether collectives on process group ``name`` go through the classic API (gloo, by default)."""
+    return gloo_collectives() == "classic" and dist.get_backend(_resolve_process_group(name)) == "gloo"
+
+
+def _call(op: torch._ops.OpOverload, group: str, *args: object) -> torch.Tensor:
+    name = _resolve(group)
+    return (CLASSIC[op] if _classic(name) else op)(*args, name)
+
+
 def _reduces_a_private_buffer(n: fx.Node) -> bool:
     """An all-reduce whose input is a fresh ``cat`` that only it reads."""
     if n.target is not c10d.all_reduce.default:
@@ -72,20 +86,20 @@ def _reduces_a_private_buffer(n: fx.Node) -> bool:
 
 
 def all_reduce(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
-    return c10d.all_reduce(x, op, _resolve(group))
+    return _call(c10d.all_reduce.default, group, x, op)
 
 
 def all_gather(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
-    return c10d.all_gather_into_tensor(x, n, _resolve(group))
+    return _call(c10d.all_gather_into_tensor.default, group, x, n)
 
 
 def reduce_scatter(x: torch.Tensor, op: str, n: int, group: str) -> torch.Tensor:
-    return c10d.reduce_scatter_tensor(x, op, n, _resolve(group))
+    return _call(c10d.reduce_scatter_tensor.default, group, x, op, n)
 
 
 def all_to_all(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
                group: str) -> torch.Tensor:
-    return c10d.all_to_all_single(x, output_split_sizes, input_split_sizes, _resolve(group))
+    return _call(c10d.all_to_all_single.default, group, x, output_split_sizes, input_split_sizes)
 
 
 def rank_sizes(counts: torch.Tensor, ranks: int) -> list[int]:
@@ -95,4 +109,4 @@ def rank_sizes(counts: torch.Tensor, ranks: int) -> list[int]:
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:
-    return c10d.wait_tensor(x)
+    return classic.wait_tensor(x)  # the functional wait for a tensor the classic API did not issue

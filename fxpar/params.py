@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
+from fxpar.backends.classic import CLASSIC, gloo_collectives
 from fxpar.backends.comm import bind_groups
 from fxpar.compiled import Compiled
 from fxpar.direct_calls import direct_calls
@@ -145,7 +146,9 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
 
 def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str]) -> dict[str, Any]:
     """Every graph a step event of ``rank``'s ``stage`` may run, with its collectives bound to real groups
-    (``GraphModule``s; with ``Plan(compile=True)`` each compiled by Inductor on its first call)."""
+    (``GraphModule``s; with ``Plan(compile=True)`` each compiled by Inductor on its first call). Eager graphs
+    call ops directly (``fxpar.direct_calls``) and, on gloo, run their collectives through the classic API
+    (``fxpar.backends.classic``)."""
     rp = compiled.rank_program(rank, stage)
     graphs = {"forward": rp.forward, "backward": rp.backward, "reduce_grads": rp.reduce_grads,
               "gather_params": rp.gather_params}
@@ -156,7 +159,8 @@ def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str
     bound = {name: bind_groups(gm, names, reinplace=eager) for name, gm in graphs.items() if gm is not None}
     if not eager:  # Inductor, on each graph's first call
         return {name: compiled_graph(gm, f"rank {rank} stage {stage} {name}") for name, gm in bound.items()}
-    return {name: direct_calls(gm) for name, gm in bound.items()}
+    overrides = CLASSIC if compiled.mesh.device == "cpu" and gloo_collectives() == "classic" else None
+    return {name: direct_calls(gm, overrides) for name, gm in bound.items()}
 
 
 def param_placements(prog: Program, fqn: str, name: str) -> list[Placement]:

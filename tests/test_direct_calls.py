@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fxpar.backends import classic
+from fxpar.backends.classic import CLASSIC
 
 import fxpar
-from fxpar.direct_calls import DIRECT_CALLS_ENV, direct_calls
-from fxpar.models.llama import llama
+from fxpar.direct_calls import DIRECT_CALLS_ENV, _bound_forward, direct_calls
+from fxpar.models.llama import llama, llama_plan
+from fxpar.testing.pool import default_pool
+from fxpar.testing.probes import gloo_apis_against_each_other
+
+TOKENS = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
 
 
 def _rank_graphs() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -41,3 +47,31 @@ def test_direct_calls_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None
     forward, _ = _rank_graphs()
     monkeypatch.setenv(DIRECT_CALLS_ENV, "0")
     assert direct_calls(forward) is forward
+
+
+def test_gloo_rank_graphs_bind_their_collectives_to_the_classic_api() -> None:
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), (TOKENS,),
+                           plan=fxpar.Plan(tp=llama_plan(), zero=3))
+    backward = pm._compiled.rank_program(0).backward
+    run = direct_calls(backward, CLASSIC)
+    scope = _bound_forward(backward, backward.code, CLASSIC, direct=True).__globals__
+    assert scope["_op__c10d_functional_wait_tensor_default"] is classic.wait_tensor
+    assert scope["_op__c10d_functional_reduce_scatter_tensor_default"] is classic.reduce_scatter_tensor
+    assert scope["_op_aten_mm_default"] is torch.ops.aten.mm.default._op
+    assert run.graph_module is backward and "comm.wait(" in pm.program(0)  # printed as is
+
+
+@pytest.mark.parametrize(("axes", "plan"), [
+    ({"dp": 2, "tp": 2}, {"zero": 3, "overlap": True, "bucket_mb": 0.05, "sequence_parallel": True}),
+    ({"pp": 2, "dp": 2}, {"stages": 2, "microbatches": 2, "zero": 1})], ids=["zero3+sp+overlap", "pp2xdp2"])
+def test_gloo_collectives_through_the_classic_api_compute_what_the_functional_ops_do(axes: dict, plan: dict) -> None:
+    # gloo lost ranks through the functional ops and never through the classic API (bench/README.md section 12):
+    # the classic path is the default and must be bitwise the functional one (same collectives, same order)
+    plan = fxpar.Plan(tp=llama_plan() if "tp" in axes else {}, **plan)
+    runs = default_pool().run(gloo_apis_against_each_other, 4, axes, plan, TOKENS, timeout=300)
+    for rank in runs:
+        classic_run, functional_run = rank["classic"], rank["functional"]
+        assert classic_run["issued"] > 0 and functional_run["issued"] == 0
+        assert classic_run["pending"] == functional_run["pending"] == 0
+        assert classic_run["losses"] == functional_run["losses"]
+        assert all(torch.equal(classic_run["grads"][n], g) for n, g in functional_run["grads"].items())

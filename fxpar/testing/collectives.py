@@ -1,7 +1,7 @@
 """Count the collectives and transfers a rank really issues, to hold ``pm.ledger(rank)`` to what runs.
 
 ``CollectiveCounter`` is a ``TorchDispatchMode``: every communication op that reaches the
-dispatcher while it is active (the functional collectives inside the rank's graphs, the
+dispatcher while it is active (the collectives inside the rank's graphs, functional or, on gloo, classic, the
 point-to-point ``send``/``recv`` of the pipeline, the ``all_reduce`` of tied gradients and of the
 loss) is recorded in issue order as ``(kind, dtype)``. ``ledger_calls`` turns ledger rows into the
 same form; ``ledger_mismatch`` compares the two and says where they first differ.
@@ -23,7 +23,10 @@ _c10d = torch.ops.c10d
 RUNTIME_KINDS = {
     **{op: kind for op, kind in COLLECTIVES.items() if kind != "wait"},  # the graphs' functional collectives
     _c10d.send.default: "send", _c10d.recv_.default: "recv",  # pipeline transfers
-    _c10d.allreduce_.default: "all_reduce",  # tied-weight gradient sums and the loss report
+    _c10d.allreduce_.default: "all_reduce",  # tied-weight gradient sums, the loss report, gloo's graph collectives
+    # the rest of what gloo rank graphs issue through the classic API (fxpar.backends.classic)
+    _c10d._allgather_base_.default: "all_gather", _c10d._reduce_scatter_base_.default: "reduce_scatter",
+    _c10d.alltoall_base_.default: "all_to_all",
     # what Inductor's generated code calls for them (Plan(compile=True))
     torch.ops._c10d_functional.all_reduce_.default: "all_reduce",
     torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",

@@ -213,3 +213,35 @@ def held_during_step(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor)
     executor.dispatch = counting
     pm.step(tokens, tokens)
     return most
+
+
+def gloo_apis_against_each_other(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor) -> dict[str, Any]:
+    """Rank body: two ``pm.step``s and AdamW steps of the bundled 2-layer Llama (seed 0) from one compile, its
+    collectives run through the classic ``torch.distributed`` API (the gloo default) and through the functional ops
+    (``FXPAR_GLOO_COLLECTIVES=functional``): the losses and gradients of each, and the collectives each issued
+    through the classic API."""
+    import os
+
+    import fxpar
+    from fxpar.backends import classic
+    from fxpar.models.llama import llama
+    from fxpar.testing.error_models import next_token_loss
+
+    mesh = fxpar.Mesh(mesh_axes)
+    dp = mesh.axes.get("dp", 1)
+    local = tokens.chunk(dp)[mesh.coord(dist.get_rank())[mesh.axis_index("dp")]] if dp > 1 else tokens
+    runs: dict[str, Any] = {}
+    for setting in ("classic", "functional"):
+        os.environ[classic.GLOO_COLLECTIVES_ENV] = setting
+        issued = classic.issued()
+        try:
+            torch.manual_seed(0)
+            pm = parallelize_once(functools.partial(llama, n_layers=2), mesh, (tokens,), plan,
+                                  loss_fn=next_token_loss)
+            losses = _train(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), mesh, tokens, 2)
+            losses.append(pm.step(local, local).item())  # its gradients are compared below
+        finally:
+            del os.environ[classic.GLOO_COLLECTIVES_ENV]
+        runs[setting] = {"losses": losses, "grads": {n: _local(p.grad).clone() for n, p in pm.named_parameters()},
+                         "issued": classic.issued() - issued, "pending": classic.pending()}
+    return runs
