@@ -14,7 +14,10 @@ bucket_mb=1)``:
 * ``wait at once``: ``"none"`` (``FXPAR_GLOO_IN_FLIGHT=none``): the overlap pass's buckets and flat ZeRO
   collectives, each waited right after its issue;
 * ``one per group`` (the default before session 38): ``GLOO_IN_FLIGHT = "group"``;
-* ``overlap off``: ``Plan(overlap=False)``, every wait right after its issue, and no buckets.
+* ``overlap off``: ``Plan(overlap=False)``, every wait right after its issue, and no buckets;
+* ``one per process, functional ops``: the default order, its collectives through the functional ops as printed
+  (``FXPAR_GLOO_COLLECTIVES=functional``; every other system runs them through the classic API, the gloo default
+  since session 48: ``fxpar.backends.classic``).
 
 Step time: ``pm.step`` + AdamW, max over ranks, median of ``STEPS`` steps in interleaved rounds. Each rank
 program is lowered while its setting is in force (the first warm-up step), so each system runs its own order;
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common import bench_args, interleaved_step_times, publish_gloo_run, step_time_table
+from fxpar.backends import classic
 from overlap import CONFIG, next_token_loss
 
 import fxpar
@@ -41,8 +45,10 @@ COMMAND = ".venv/bin/python bench/gloo_default.py"
 MESH = {"dp": 2, "tp": 2}
 BATCH, SEQ = 8, 64
 WARMUP, STEPS, ROUNDS = 2, 24, 4
-SYSTEMS = {"one per process (default)": ("process", True), "wait at once": ("none", True),
-           "one per group": ("group", True), "overlap off": ("process", False)}
+SYSTEMS = {"one per process (default)": ("process", True, "classic"),
+           "one per process, functional ops": ("process", True, "functional"),
+           "wait at once": ("none", True, "classic"), "one per group": ("group", True, "classic"),
+           "overlap off": ("process", False, "classic")}
 
 
 def rank_main() -> dict[str, Any]:
@@ -53,10 +59,11 @@ def rank_main() -> dict[str, Any]:
     runs = {}
     default = issue_order.GLOO_IN_FLIGHT
     os.environ.pop(issue_order.GLOO_ENV, None)  # each system sets its own
-    for name, (in_flight, on) in SYSTEMS.items():
+    for name, (in_flight, on, collectives) in SYSTEMS.items():
         torch.manual_seed(0)
         plan = fxpar.Plan(tp=llama_plan(), zero=3, overlap=on, bucket_mb=1)
         issue_order.GLOO_IN_FLIGHT = in_flight
+        os.environ[classic.GLOO_COLLECTIVES_ENV] = collectives  # read when the first step binds the graphs
         try:
             pm = fxpar.parallelize(Llama(LlamaConfig(**CONFIG)), fxpar.Mesh(MESH), (tokens,), loss_fn=next_token_loss,
                                    example_targets=tokens, plan=plan)
@@ -68,6 +75,7 @@ def rank_main() -> dict[str, Any]:
                 opt.zero_grad()
         finally:
             issue_order.GLOO_IN_FLIGHT = default
+            del os.environ[classic.GLOO_COLLECTIVES_ENV]
         out[name] = {"first_loss": losses[0]}
         runs[name] = ((lambda pm=pm: pm.step(local, local)), opt)
     for name, times in interleaved_step_times(runs, STEPS, ROUNDS).items():

@@ -1,5 +1,6 @@
-"""Gloo corrupts the heap now and then: once in about 70,000 batches with several collectives in flight on one group,
-and more rarely with fewer in flight (bench/README.md section 12 counts every setting).
+"""Gloo corrupts the heap now and then through the functional collectives: once in about 70,000 batches with several
+in flight on one group, more rarely with fewer in flight, never in 1,020,000 batches through the classic API
+(bench/README.md section 12 counts every setting).
 
 Four gloo ranks on a 2 x 2 mesh run ``--iters`` batches of 1-8 functional collectives (reduce-scatters,
 all-gathers and all-reduces of small tensors, as ZeRO with overlap issues them), with allocations between
@@ -11,9 +12,10 @@ session 18. ``--policy one-per-process`` alternates the groups too but keeps one
 process: what it does on gloo since session 38;
 ``--policy off`` waits for each collective right after issuing it (``Plan(overlap=False)``); ``--policy
 classic`` is one-per-process through the classic ``torch.distributed`` API (``async_op=True`` and
-``work.wait()``, as DDP and FSDP2 call gloo) instead of the functional collectives fxpar's programs call. A run
+``work.wait()``, as DDP and FSDP2 call gloo, and as fxpar's gloo rank programs do since session 48) instead of
+the functional collectives. A run
 survives or a rank dies natively (glibc: "malloc(): unaligned tcache chunk detected", "free(): invalid
-pointer"); the script prints how many runs survived. About 2 minutes per run on 2 cores::
+pointer"); the script prints how many runs survived. About 5 minutes per run of 30,000 batches on 2 cores::
 
     .venv/bin/python bench/gloo_in_flight.py --policy many --runs 3
     .venv/bin/python bench/gloo_in_flight.py --policy one-per-group --runs 3

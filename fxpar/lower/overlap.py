@@ -19,8 +19,11 @@ collectives on its own threads, NCCL on its own stream):
   detected"), and a rank dies: in ``bench/gloo_in_flight.py`` (bench/README.md section 12) about once per
   70,000 batches of functional collectives with several in flight on one process group, once per 180,000
   with one per group on two groups, once in about 790,000 with one per process, and once in about 200,000
-  with each waited right after its issue. No setting is free of it; one per process has the fewest losses
-  per batch and still runs compute beside each collective. ``FXPAR_GLOO_IN_FLIGHT`` picks another setting.
+  with each waited right after its issue. No setting of the functional ops is free of it; one per process has
+  the fewest losses per batch and still runs compute beside each collective, and the same loop through the
+  classic ``torch.distributed`` API lost no rank in a million batches, so gloo rank programs run these
+  collectives through it when they are bound (``fxpar.backends.classic``). ``FXPAR_GLOO_IN_FLIGHT`` picks
+  another setting.
 
 Compute nodes keep their order and no value changes: results are bitwise those of the unreordered graph.
 """
