@@ -238,7 +238,7 @@ def without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.ExportedProgram:
     try:
-        with without_kv_cache(model):
+        with without_kv_cache(model), _meta_failures_unlogged():
             return torch.export.export(model, args, strict=False)
     except NotShared:
         raise
@@ -246,17 +246,56 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.Expor
         raise CaptureError(_explain_trace_failure(model, e)) from e
 
 
+class _MetaFailureFilter(logging.Filter):
+    """Drops fake-tensor mode's own report of an op that failed on fake inputs (a 40-line traceback logged at
+    ERROR): the failure reaches the user once, as the ``CaptureError`` that names their line and module."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.msg.startswith("failed while attempting to run meta")
+
+
+@contextmanager
+def _meta_failures_unlogged() -> Iterator[None]:
+    logger, dropped = logging.getLogger("torch._subclasses.fake_tensor"), _MetaFailureFilter()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
+
+
 def _explain_trace_failure(model: torch.nn.Module, e: BaseException) -> str:
     frame = _user_frame(e)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else "(no user frame found)"
+    module = _failing_module(model, e)
+    inside = f"\n  in module {module}" if module else ""
     hint = ""
     if "data-dependent" in str(e).lower() or "data dependent" in str(e).lower():
         hint = (
             "\nhint: Python control flow that depends on tensor values cannot be compiled; "
             "use torch.where / torch.cond, or make the branch depend on shapes only"
         )
-    return f"cannot trace {type(model).__name__}: {type(e).__name__}: {first}\n  at {where}{hint}"
+    return f"cannot trace {type(model).__name__}: {type(e).__name__}: {first}{inside}\n  at {where}{hint}"
+
+
+def _failing_module(model: torch.nn.Module, e: BaseException) -> str | None:
+    """The innermost submodule of ``model`` whose call the failure happened in, as ``path (Class)``: where a
+    library module (``nn.Linear`` inside an ``nn.Sequential``) fails, no frame of the user's file is on the stack,
+    and the module path is what points at their code."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    innermost = None
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl"):
+            module = frame.f_locals.get("self")
+            if isinstance(module, torch.nn.Module) and id(module) in paths and module is not model:
+                innermost = module
+        tb = tb.tb_next
+    if innermost is None:
+        return None
+    return f"{paths[id(innermost)]} ({type(innermost).__name__})"
 
 
 def _user_frame(e: BaseException) -> traceback.FrameSummary | None:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import re
 import time
 import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 
 import fxpar
 from fxpar.models.llama import llama, llama_plan
@@ -119,6 +121,19 @@ def test_data_dependent_control_flow_names_the_line() -> None:
         fxpar.parallelize(error_models.data_dependent_branch(), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(4, 8),))
     msg = str(info.value)
     assert f"{path}:{line}" in msg or f"error_models.py:{line}" in msg, msg
+
+
+def test_a_shape_mismatch_inside_a_library_module_names_the_module_and_is_reported_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An input of the wrong width fails inside ``nn.Linear`` under an ``nn.Sequential``: no frame of the user's
+    file is on the stack, so the error names the module path; fake-tensor mode's own 40-line report of the
+    failed op is not logged besides."""
+    model = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Sequential(nn.Linear(24, 24), nn.Linear(20, 5)))
+    with caplog.at_level(logging.DEBUG), pytest.raises(fxpar.CaptureError) as info:
+        fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(4, 12),))
+    msg = str(info.value)
+    assert "in module 2.1 (Linear)" in msg and "[4, 24] X [20, 5]" in msg, msg
+    assert not [r for r in caplog.records if "failed while attempting to run meta" in r.getMessage()]
 
 
 def test_buffer_written_in_forward_names_buffers_and_line() -> None:
