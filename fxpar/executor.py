@@ -178,6 +178,8 @@ class StepExecutor:
                   for o in outs]
         with torch.enable_grad():
             loss = self.loss_fn(leaves, targets)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+                raise ValueError(_not_a_loss(loss))
             (loss / self.m).backward()
         return loss.detach(), [x.grad if isinstance(x, torch.Tensor) else None for x in leaves]
 
@@ -289,3 +291,11 @@ def write_trace(path: str, events: list[dict[str, Any]], rank: int) -> None:
         flat = [e for rank_events in gathered for e in rank_events]
         with open(path, "w") as f:
             json.dump({"traceEvents": flat, "displayTimeUnit": "ms"}, f)
+
+
+def _not_a_loss(loss: Any) -> str:
+    what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) and loss.dim()
+            else "a tensor that does not depend on the outputs" if isinstance(loss, torch.Tensor)
+            else f"{type(loss).__name__}")
+    return (f"loss_fn returned {what}: it must return a scalar tensor computed from the model's outputs, the mean "
+            "over the batch (for example F.cross_entropy(logits.flatten(0, 1), targets.flatten()))")

@@ -190,6 +190,14 @@ def test_op_without_sharding_rule_still_equivalent() -> None:
 # 6. a rank that dies mid-step ----------------------------------------------------------------------
 
 
+def test_a_loss_fn_that_returns_no_scalar_is_refused_by_name() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(error_models.step_with_a_non_scalar_loss, 2, timeout=120, collective_timeout=20)
+    msg = str(info.value)
+    assert "loss_fn returned a tensor of shape (30,): it must return a scalar tensor" in msg, msg
+    assert "step completed" not in msg
+
+
 def test_rank_dies_mid_step() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:

@@ -104,6 +104,26 @@ def die_before_first_forward(dying_rank: int) -> str:
     return "step completed"
 
 
+def per_token_losses(out: object, tokens: torch.Tensor) -> torch.Tensor:
+    """A common mistake: ``next_token_loss`` with ``reduction="none"`` (a loss per position, not a scalar)."""
+    logits = getattr(out, "logits", out)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none")
+
+
+def step_with_a_non_scalar_loss() -> str:
+    """Rank body: a pp=2 pipeline of the bundled Llama whose ``loss_fn`` returns a loss per token: ``pm.step``
+    must refuse it by name (the backward of a non-scalar needs a gradient nobody gave)."""
+    import fxpar
+    from fxpar.models.llama import llama
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"pp": 2}), (tokens,),
+                           plan=fxpar.Plan(stages=2, microbatches=2), loss_fn=per_token_losses, example_targets=tokens)
+    pm.step(tokens, tokens)
+    return "step completed"
+
+
 def die_mid_schedule(dying_rank: int) -> str:
     """Rank body: a pp=2 pipeline (1F1B, 4 microbatches) where ``dying_rank`` exits hard after its first
     forward, while the other rank waits for its activations or gradients."""
