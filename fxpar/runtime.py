@@ -21,6 +21,7 @@ from fxpar.estimate import Estimate
 from fxpar.estimate import estimate as estimate_step
 from fxpar.executor import LossFn, StageRunner, StepExecutor
 from fxpar.grad_sums import cut_from_larger
+from fxpar.input_shapes import LocalShapes, check_local_inputs, local_input_shapes
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow, RankProgram
 from fxpar.memory import Memory
@@ -99,6 +100,7 @@ class ParallelModule(RankParameters):
         self._loss_fn = loss_fn
         self._executor: StepExecutor | None = None
         self._rank = rank
+        self._input_shapes: LocalShapes | None = None  # what this rank's program takes (``check_local_inputs``)
         self._tie_groups: list[tuple[str, Any]] = []
         self.timings: dict[str, float] = dict(compiled.timings)
         self._save_sources = SaveSources({}, {}, loss_fn)
@@ -240,6 +242,7 @@ class ParallelModule(RankParameters):
                                "run a training step with pm.step(inputs..., targets) instead of pm(inputs)")
         runner = self._runners[0]
         flat, _ = flat_user_inputs(c, inputs)
+        self._check_inputs(flat, "pm(...)")
         local = [self.local_param(fqn, differentiable=True) for fqn in runner.param_fqns]
         tensors = [x for x in pytree.tree_leaves(flat) if isinstance(x, torch.Tensor)]
         outs = _RankStep.apply(runner, *local, *self.stage_buffers(0), *tensors)
@@ -255,12 +258,20 @@ class ParallelModule(RankParameters):
         c = self._compiled
         flat, targets = flat_user_inputs(c, args)
         executor = self.step_executor()
+        self._check_inputs(flat, "pm.step")
         mb_inputs = split_microbatches(flat, c.microbatches)
         mb_targets = split_microbatches(targets, c.microbatches) if targets is not None else [None] * c.microbatches
         try:
             return executor.run(mb_inputs, mb_targets, trace)
         finally:
             self.release_params()
+
+    def _check_inputs(self, flat: list[Any], call: str) -> None:
+        c = self._compiled
+        if self._input_shapes is None:
+            self._input_shapes = local_input_shapes(c, self._rank)
+        microbatches = c.microbatches if call == "pm.step" else 1
+        check_local_inputs(self._input_shapes, flat, microbatches, self._rank, c.mesh.axes.get("dp", 1), call)
 
     def step_executor(self) -> StepExecutor:
         """The rank's step executor, built on first use: ``.events`` is what ``pm.step`` runs (fault-injection

@@ -198,6 +198,17 @@ def test_a_loss_fn_that_returns_no_scalar_is_refused_by_name() -> None:
     assert "step completed" not in msg
 
 
+@pytest.mark.parametrize(("how", "call"), [("step", "pm.step"), ("call", "pm(...)")])
+def test_the_global_batch_where_a_rank_takes_its_shard_is_refused_by_name(how: str, call: str) -> None:
+    # the commonest mistake with a dp mesh; it used to fail inside the rank graph's first view
+    with pytest.raises(RankFailure) as info:
+        run_ranks(error_models.call_with_the_global_batch, 2, how, timeout=120, collective_timeout=20)
+    msg = str(info.value)
+    assert f"{call}: input 0 has shape (4, 16), but rank 0's program was compiled for (2, 16): its share of the " \
+           "batch over dp=2" in msg, msg
+    assert "'ran'" not in msg
+
+
 def test_rank_dies_mid_step() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:

@@ -124,6 +124,23 @@ def step_with_a_non_scalar_loss() -> str:
     return "step completed"
 
 
+def call_with_the_global_batch(how: str) -> str:
+    """Rank body: the bundled Llama compiled on dp=2 for a global batch of 4, then called (``how``: ``"step"`` or
+    ``"call"``) with the whole batch instead of this rank's two rows: refused by name before any graph runs."""
+    import fxpar
+    from fxpar.models.llama import llama
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"dp": 2}), (tokens,), loss_fn=next_token_loss,
+                           example_targets=tokens)
+    if how == "step":
+        pm.step(tokens, tokens)
+    else:
+        pm(tokens)
+    return "ran"
+
+
 def die_mid_schedule(dying_rank: int) -> str:
     """Rank body: a pp=2 pipeline (1F1B, 4 microbatches) where ``dying_rank`` exits hard after its first
     forward, while the other rank waits for its activations or gradients."""

@@ -1,0 +1,52 @@
+"""The shapes a rank's program takes its inputs in, checked where ``pm(...)`` and ``pm.step(...)`` receive them.
+
+A rank program is compiled for this rank's share of the batch (``example_inputs`` hold the global one). Handing it
+the global batch, or another sequence length, used to fail inside the first ``view`` of the rank graph ("shape
+'[32, 64]' is invalid for input of size 4096"); ``check_local_inputs`` says instead which input, the shape it
+has, the shape this rank's program takes and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxpar.compiled import Compiled
+
+LocalShapes = list[tuple[int, tuple[int, ...]]]  # (flat user input index, its local shape per microbatch)
+
+
+def local_input_shapes(compiled: Compiled, rank: int) -> LocalShapes:
+    """Each flat user input a stage of ``rank`` reads, with the local shape of one microbatch of it (the rank
+    forward's placeholder after the parameters, buffers and received values). Inputs no stage of the rank reads
+    (a pipeline's later stages read none) are not listed."""
+    shapes: dict[int, tuple[int, ...]] = {}
+    for s in compiled.stage_of_rank(rank):
+        prog, rp = compiled.stages[s], compiled.rank_program(rank, s)
+        info = prog.notes.get("stage")
+        fixed = len(prog.signature.params) + len(prog.signature.buffers) + (len(info.received) if info else 0)
+        placeholders = list(rp.forward.graph.find_nodes(op="placeholder"))[fixed:]
+        reads = list(info.user_inputs) if info is not None else list(range(len(placeholders)))
+        for i, node in zip(reads, placeholders, strict=False):
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                shapes.setdefault(i, tuple(val.shape))
+    return sorted(shapes.items())
+
+
+def check_local_inputs(shapes: LocalShapes, flat: list[Any], microbatches: int, rank: int, dp: int,
+                       call: str) -> None:
+    """Raise ``ValueError`` naming the first tensor input of ``flat`` whose shape is not what ``rank``'s program
+    takes (``microbatches`` of them along dim 0 for ``pm.step``)."""
+    for i, per_microbatch in shapes:
+        x = flat[i] if i < len(flat) else None
+        if not isinstance(x, torch.Tensor):
+            continue
+        want = (per_microbatch[0] * microbatches, *per_microbatch[1:]) if per_microbatch else ()
+        if tuple(x.shape) != want:
+            share = (f"its share of the batch over dp={dp} (dim 0; example_inputs hold the global batch, and each "
+                     "rank is called with its own rows, x.chunk(dp)[dp_index] where dp divides the batch)"
+                     if dp > 1 else "the shape example_inputs had")
+            raise ValueError(f"{call}: input {i} has shape {tuple(x.shape)}, but rank {rank}'s program was compiled "
+                             f"for {want}: {share}")
