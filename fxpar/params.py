@@ -115,9 +115,11 @@ def register_param(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -
 
 
 def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Module, rank: int
-                ) -> tuple[dict[int, list[torch.Tensor]], dict[int, StageRunner], list[tuple[str, Any]]]:
+                ) -> tuple[dict[int, list[torch.Tensor]], dict[int, StageRunner], list[tuple[str, Any]],
+                           dist.ProcessGroup | None]:
     """Register ``rank``'s parameters on ``root`` (each once, as a DTensor on the mesh without ``pp``; a ZeRO
-    parameter as its dp shard); return its buffers and bound stage runners per stage, and its tied-weight groups."""
+    parameter as its dp shard); return its buffers and bound stage runners per stage, its tied-weight groups and
+    its pipeline group (``None`` without stages)."""
     mesh = compiled.mesh
     dm = mesh.device_mesh()
     pmesh = param_mesh(mesh, dm)
@@ -141,7 +143,8 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
         rp = compiled.rank_program(rank, s)
         names = {sym: group_name(dm, sym) for sym in rp.groups}
         runners[s] = StageRunner(stage_spec(compiled, rank, s), bound_graphs(compiled, rank, s, names))
-    return stage_buffers, runners, _tie_groups(compiled, rank)
+    pp_group = dm.get_group("pp") if mesh.axes.get("pp", 1) > 1 else None
+    return stage_buffers, runners, _tie_groups(compiled, rank), pp_group
 
 
 def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str]) -> dict[str, Any]:

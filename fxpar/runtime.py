@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar.backends.emit import SaveSources, save_programs
+from fxpar.clip import clip_grad_norm_
 from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
 from fxpar.estimate import Estimate
@@ -31,7 +32,7 @@ from fxpar.params import RankParameters, materialize
 from fxpar.plan import Plan
 from fxpar.printer import ledger_table, print_rank_programs
 from fxpar.rank_spec import rank_spec
-from fxpar.rank_step import StepEvent, rank_step, step_ledger
+from fxpar.rank_step import StepEvent, rank_step, step_ledger, tie_holders
 from fxpar.schedules import Schedule
 from fxpar.stages import node_cost
 
@@ -102,6 +103,7 @@ class ParallelModule(RankParameters):
         self._rank = rank
         self._input_shapes: LocalShapes | None = None  # what this rank's program takes (``check_local_inputs``)
         self._tie_groups: list[tuple[str, Any]] = []
+        self._pp_group: Any = None
         self.timings: dict[str, float] = dict(compiled.timings)
         self._save_sources = SaveSources({}, {}, loss_fn)
         if model is not None:  # what pm.save writes beside the programs (references, no copies)
@@ -226,7 +228,8 @@ class ParallelModule(RankParameters):
     # -- execution ----------------------------------------------------------------------------
     def _materialize(self, model: torch.nn.Module) -> None:
         """This rank's parameters as DTensors (registered under their model paths), its buffers and bound graphs."""
-        self._stage_buffers, self._runners, self._tie_groups = materialize(self, self._compiled, model, self._rank)
+        self._stage_buffers, self._runners, self._tie_groups, self._pp_group = materialize(
+            self, self._compiled, model, self._rank)
 
     def _check_runnable(self) -> None:
         if not self._runners:
@@ -265,6 +268,19 @@ class ParallelModule(RankParameters):
             return executor.run(mb_inputs, mb_targets, trace)
         finally:
             self.release_params()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: scale every gradient so that the norm of the
+        model's gradient is at most ``max_norm``; return that norm (before clipping), equal on every rank. Call it on
+        every rank, between ``pm.step`` and ``opt.step()``. With pipeline stages torch's own function would see only
+        this rank's stages (``fxpar.clip``); without them the two agree."""
+        self._check_runnable()
+        c, rank = self._compiled, self._rank
+        mine = c.pp_coord(rank)
+        elsewhere = [self.get_parameter(fqn) for fqn, pps in tie_holders(c).items() if mine in pps and mine != pps[0]]
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, pp_group=self._pp_group,
+                               counted_elsewhere=elsewhere, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
     def _check_inputs(self, flat: list[Any], call: str) -> None:
         c = self._compiled

@@ -84,7 +84,18 @@ def _run_task(rank: int, fn: Callable[..., Any], args: tuple, world: int, port: 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_meshes()
     return (*msg, _thread_count())
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions by mesh layout, with the ``DeviceMesh`` of the task that made them: a later
+    task's mesh of the same layout would get the earlier one's, whose process groups are destroyed ("Could not
+    resolve the process group registered under the name 7" in a gradient-norm reduction). Each task starts clean."""
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
 
 
 def _thread_count() -> int:

@@ -245,3 +245,34 @@ def gloo_apis_against_each_other(mesh_axes: dict[str, int], plan: Any, tokens: t
         runs[setting] = {"losses": losses, "grads": {n: _local(p.grad).clone() for n, p in pm.named_parameters()},
                          "issued": classic.issued() - issued, "pending": classic.pending()}
     return runs
+
+
+def clipped_against_single_device(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor, tie: bool,
+                                  max_norm: float) -> dict[str, float]:
+    """Rank body: one ``pm.step`` of the bundled 4-layer Llama (seed 0; ``tie``: tied embeddings), then
+    ``pm.clip_grad_norm_(max_norm)``, against the single-device model clipped by
+    ``torch.nn.utils.clip_grad_norm_``: both norms, and the largest gradient difference after clipping relative to
+    the gradient's largest entry."""
+    import fxpar
+    from fxpar.models.llama import llama
+    from fxpar.testing.error_models import next_token_loss
+
+    torch.manual_seed(0)
+    reference = llama(n_layers=4, tie_embeddings=tie)
+    torch.manual_seed(0)
+    mesh = fxpar.Mesh(mesh_axes)
+    pm = parallelize_once(functools.partial(llama, n_layers=4, tie_embeddings=tie), mesh, (tokens,), plan,
+                          loss_fn=next_token_loss)
+    dp = mesh.axes.get("dp", 1)
+    local = tokens.chunk(dp)[mesh.coord(dist.get_rank())[mesh.axis_index("dp")]] if dp > 1 else tokens
+    pm.step(local, local)
+    norm = pm.clip_grad_norm_(max_norm)
+    next_token_loss(reference(tokens), tokens).backward()
+    want = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_norm)
+    grads = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in pm.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        ref = grads[name].grad
+        worst = max(worst, ((g - ref).abs().max() / ref.abs().max()).item())
+    return {"norm": norm.item(), "want": want.item(), "grad_diff": worst}
