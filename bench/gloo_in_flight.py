@@ -1,5 +1,5 @@
 """Gloo corrupts the heap now and then through the functional collectives: once in about 70,000 batches with several
-in flight on one group, more rarely with fewer in flight, never in 1,020,000 batches through the classic API
+in flight on one group, more rarely with fewer in flight, never in 1,140,000 batches through the classic API
 (bench/README.md section 12 counts every setting).
 
 Four gloo ranks on a 2 x 2 mesh run ``--iters`` batches of 1-8 functional collectives (reduce-scatters,
