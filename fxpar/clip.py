@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fxpar.compiled import Compiled
+from fxpar.rank_step import tie_holders
+
 
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0, *,
                     pp_group: dist.ProcessGroup | None = None, counted_elsewhere: Iterable[torch.Tensor] = (),
@@ -52,3 +55,10 @@ def _over_stages(norm: torch.Tensor, norm_type: float, pp_group: dist.ProcessGro
     powered = norm ** norm_type
     dist.all_reduce(powered, group=pp_group)
     return powered ** (1.0 / norm_type)
+
+
+def counted_on_another_stage(compiled: Compiled, rank: int) -> list[str]:
+    """The weights ``rank`` holds that a rank of an earlier pipeline coordinate holds too (tied across stages, with
+    the same summed gradient): the norm counts them there."""
+    mine = compiled.pp_coord(rank)
+    return [fqn for fqn, pps in tie_holders(compiled).items() if mine in pps and mine != pps[0]]

@@ -50,3 +50,18 @@ def check_local_inputs(shapes: LocalShapes, flat: list[Any], microbatches: int, 
                      if dp > 1 else "the shape example_inputs had")
             raise ValueError(f"{call}: input {i} has shape {tuple(x.shape)}, but rank {rank}'s program was compiled "
                              f"for {want}: {share}")
+
+
+class InputCheck:
+    """``check_local_inputs`` for one rank, with the shapes read from its program on first use."""
+
+    def __init__(self, compiled: Compiled, rank: int | None) -> None:
+        self.compiled, self.rank = compiled, rank
+        self.shapes: LocalShapes | None = None
+
+    def check(self, flat: list[Any], call: str) -> None:
+        c = self.compiled
+        if self.shapes is None:
+            self.shapes = local_input_shapes(c, self.rank)
+        microbatches = c.microbatches if call == "pm.step" else 1
+        check_local_inputs(self.shapes, flat, microbatches, self.rank, c.mesh.axes.get("dp", 1), call)

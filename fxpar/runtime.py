@@ -15,14 +15,14 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar.backends.emit import SaveSources, save_programs
-from fxpar.clip import clip_grad_norm_
+from fxpar.clip import clip_grad_norm_, counted_on_another_stage
 from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
 from fxpar.estimate import Estimate
 from fxpar.estimate import estimate as estimate_step
 from fxpar.executor import LossFn, StageRunner, StepExecutor
 from fxpar.grad_sums import cut_from_larger
-from fxpar.input_shapes import LocalShapes, check_local_inputs, local_input_shapes
+from fxpar.input_shapes import InputCheck
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow, RankProgram
 from fxpar.memory import Memory
@@ -32,9 +32,9 @@ from fxpar.params import RankParameters, materialize
 from fxpar.plan import Plan
 from fxpar.printer import ledger_table, print_rank_programs
 from fxpar.rank_spec import rank_spec
-from fxpar.rank_step import StepEvent, rank_step, step_ledger, tie_holders
+from fxpar.rank_step import StepEvent, rank_step, step_ledger
 from fxpar.schedules import Schedule
-from fxpar.stages import node_cost
+from fxpar.stages import stage_costs
 
 
 class _RankStep(torch.autograd.Function):
@@ -101,7 +101,7 @@ class ParallelModule(RankParameters):
         self._loss_fn = loss_fn
         self._executor: StepExecutor | None = None
         self._rank = rank
-        self._input_shapes: LocalShapes | None = None  # what this rank's program takes (``check_local_inputs``)
+        self._inputs = InputCheck(compiled, rank)  # the shapes this rank's program takes its inputs in
         self._tie_groups: list[tuple[str, Any]] = []
         self._pp_group: Any = None
         self.timings: dict[str, float] = dict(compiled.timings)
@@ -162,25 +162,8 @@ class ParallelModule(RankParameters):
         return step_ledger(self.step_events(rank))
 
     def stage_costs(self) -> dict[tuple[str, int], float]:
-        """Cost-model seconds per (action kind, stage) for ``pm.schedule.simulate(costs=...)``.
-
-        F is the stage's forward estimate (max of FLOPs / peak and bytes / bandwidth per node, as the
-        stage split uses); a backward costs twice its forward, split evenly into B and W under zb-h1.
-        """
-        out: dict[tuple[str, int], float] = {}
-        for prog in self._compiled.stages:
-            info = prog.notes.get("stage")
-            if info is not None:
-                s, f = info.index, info.cost
-            else:  # one stage: its forward nodes of the joint graph
-                s, f = 0, sum(node_cost(n) for n in prog.graph.nodes
-                              if n.name in prog.provenance and prog.provenance[n.name].phase == "fwd")
-            out[("F", s)] = f
-            if self._compiled.schedule.has_w:
-                out[("B", s)] = out[("W", s)] = f
-            else:
-                out[("B", s)] = 2 * f
-        return out
+        """Cost-model seconds per (action kind, stage) for ``pm.schedule.simulate(costs=...)`` (``stage_costs``)."""
+        return stage_costs(self._compiled.stages, self._compiled.schedule.has_w)
 
     def memory(self, rank: int = 0) -> Memory:
         """Predicted bytes per rank for one step: ``.params .grads .optimizer .activations .transient .peak``."""
@@ -245,7 +228,7 @@ class ParallelModule(RankParameters):
                                "run a training step with pm.step(inputs..., targets) instead of pm(inputs)")
         runner = self._runners[0]
         flat, _ = flat_user_inputs(c, inputs)
-        self._check_inputs(flat, "pm(...)")
+        self._inputs.check(flat, "pm(...)")
         local = [self.local_param(fqn, differentiable=True) for fqn in runner.param_fqns]
         tensors = [x for x in pytree.tree_leaves(flat) if isinstance(x, torch.Tensor)]
         outs = _RankStep.apply(runner, *local, *self.stage_buffers(0), *tensors)
@@ -261,7 +244,7 @@ class ParallelModule(RankParameters):
         c = self._compiled
         flat, targets = flat_user_inputs(c, args)
         executor = self.step_executor()
-        self._check_inputs(flat, "pm.step")
+        self._inputs.check(flat, "pm.step")
         mb_inputs = split_microbatches(flat, c.microbatches)
         mb_targets = split_microbatches(targets, c.microbatches) if targets is not None else [None] * c.microbatches
         try:
@@ -276,18 +259,9 @@ class ParallelModule(RankParameters):
         every rank, between ``pm.step`` and ``opt.step()``. With pipeline stages torch's own function would see only
         this rank's stages (``fxpar.clip``); without them the two agree."""
         self._check_runnable()
-        c, rank = self._compiled, self._rank
-        mine = c.pp_coord(rank)
-        elsewhere = [self.get_parameter(fqn) for fqn, pps in tie_holders(c).items() if mine in pps and mine != pps[0]]
+        elsewhere = [self.get_parameter(fqn) for fqn in counted_on_another_stage(self._compiled, self._rank)]
         return clip_grad_norm_(self.parameters(), max_norm, norm_type, pp_group=self._pp_group,
                                counted_elsewhere=elsewhere, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-
-    def _check_inputs(self, flat: list[Any], call: str) -> None:
-        c = self._compiled
-        if self._input_shapes is None:
-            self._input_shapes = local_input_shapes(c, self._rank)
-        microbatches = c.microbatches if call == "pm.step" else 1
-        check_local_inputs(self._input_shapes, flat, microbatches, self._rank, c.mesh.axes.get("dp", 1), call)
 
     def step_executor(self) -> StepExecutor:
         """The rank's step executor, built on first use: ``.events`` is what ``pm.step`` runs (fault-injection

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -82,6 +83,26 @@ def assign_stages(graph: fx.Graph, starts: list[str]) -> dict[fx.Node, int]:
                 current = max(current, k)
         stage[n] = max([current, *(stage.get(a, 0) for a in n.all_input_nodes)])
     return stage
+
+
+def stage_costs(stages: list[Any], has_w: bool) -> dict[tuple[str, int], float]:
+    """Cost-model seconds per (action kind, stage) of a compiled model's stage ``Program``s, for
+    ``Schedule.simulate(costs=...)``. F is the stage's forward estimate (max of FLOPs / peak and bytes / bandwidth per
+    node, as the stage split uses); a backward costs twice its forward, split evenly into B and W (``has_w``)."""
+    out: dict[tuple[str, int], float] = {}
+    for prog in stages:
+        info = prog.notes.get("stage")
+        if info is not None:
+            s, f = info.index, info.cost
+        else:  # one stage: its forward nodes of the joint graph
+            s, f = 0, sum(node_cost(n) for n in prog.graph.nodes
+                          if n.name in prog.provenance and prog.provenance[n.name].phase == "fwd")
+        out[("F", s)] = f
+        if has_w:
+            out[("B", s)] = out[("W", s)] = f
+        else:
+            out[("B", s)] = 2 * f
+    return out
 
 
 def node_cost(n: fx.Node) -> float:
