@@ -34,6 +34,7 @@ from fxpar.mesh import Mesh
 from fxpar.modules import module_table
 from fxpar.pipeline import Context, run_pipeline
 from fxpar.plan import Plan, as_plan
+from fxpar.random_draws import warn_if_not_the_single_devices
 from fxpar.roles import Roles
 from fxpar.schedules import Schedule, make_schedule
 from fxpar.split import CONTEXT_AXIS, batch_ranks
@@ -178,6 +179,7 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
         if len(programs) % pp:
             raise PlanError(f"{len(programs)} stages is not a multiple of pp={pp}: each pp rank holds the same number "
                             "of stages (stages = v * pp)")
+    warn_if_not_the_single_devices([p.graph for p in programs], len(programs), plan.compile)
     schedule = _schedule(plan.schedule, pp, len(programs), m)
     resolved = plan.resolved(stages=len(programs) if isinstance(plan.stages, int) or plan.stages is None
                              else plan.stages, microbatches=m, notes={**plan.notes, **notes})

@@ -21,6 +21,7 @@ from fxpar.inductor import compiled_graph
 from fxpar.ir import Program
 from fxpar.local_optimizer import own_parameter
 from fxpar.mesh import Mesh
+from fxpar.random_draws import draws_random, sync_generators
 from fxpar.rank_spec import stage_spec
 from fxpar.rank_step import backward_halves, tie_holders, tie_ranks
 
@@ -143,6 +144,8 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
         rp = compiled.rank_program(rank, s)
         names = {sym: group_name(dm, sym) for sym in rp.groups}
         runners[s] = StageRunner(stage_spec(compiled, rank, s), bound_graphs(compiled, rank, s, names))
+    if draws_random([prog.graph for prog in compiled.stages]):  # every rank decides alike: the global programs
+        sync_generators(mesh.device)  # copies of a random value must agree on every rank (fxpar.random_draws)
     pp_group = dm.get_group("pp") if mesh.axes.get("pp", 1) > 1 else None
     return stage_buffers, runners, _tie_groups(compiled, rank), pp_group
 

@@ -29,6 +29,7 @@ from fxpar.errors import SavedProgramError
 from fxpar.executor import StageRunner, StepExecutor
 from fxpar.mesh import Mesh
 from fxpar.params import RankParameters, axis_group, param_mesh, register_param
+from fxpar.random_draws import sync_generators
 from fxpar.rank_spec import RankSpec, events_from_data, spec_from_data
 from fxpar.rank_step import StepEvent
 
@@ -82,6 +83,7 @@ class SavedRank:
             state._stage_buffers[s] = [self.buffers[fqn].to(device) for fqn in st.buffer_fqns]
             state._runners[s] = StageRunner(st, self._graphs(s))
         executor = StepExecutor(state, state._runners, self.events, self.spec, self._loss(), ties)
+        sync_generators(mesh.device)  # random ops (dropout) draw alike on every rank (fxpar.random_draws)
         return state, executor
 
     def _graphs(self, stage: int) -> dict[str, Any]:

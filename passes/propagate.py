@@ -42,6 +42,7 @@ from torch.distributed.tensor.placement_types import Placement
 from fxpar.errors import FxparWarning
 from fxpar.ir import Program, batch_placements, sp_boundary, tensor_val
 from fxpar.pass_context import Context
+from fxpar.random_draws import RANDOM_OPS, VALUE_RANDOM
 from fxpar.rules import Candidate, candidates
 from fxpar.rules.batch_views import batch_view_candidate
 from fxpar.rules.context import ContextPolicy, gather_before_repeat
@@ -282,6 +283,8 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
     """
     args = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.args)
     kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
+    if node.target in VALUE_RANDOM:  # inputs gathered, drawn whole, as the single device draws (fxpar.random_draws)
+        return Candidate(tuple(Replicate() for _ in cur), _all(node.meta["val"], Replicate()))
     found = None
     if tensor_args:
         try:
@@ -309,12 +312,12 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
                 pass
     if extra is not None:
         found = [*(found or []), extra]
-    if found is None and unruled is not None and str(node.target) not in unruled:
+    if found is None and unruled is not None and str(node.target) not in unruled and node.target not in RANDOM_OPS:
         unruled.add(str(node.target))
         warnings.warn(f"fxpar: no sharding rule for {node.target}; it runs replicated (inputs gathered)",
                       FxparWarning, stacklevel=2)
     fallback = Candidate(tuple(Replicate() for _ in cur), _all(node.meta["val"], Replicate()))
-    replica = float(_nbytes(node)) if sharded else 0.0
+    replica = float(_nbytes(node, first=True)) if sharded else 0.0
     whole = context.penalty(fallback, node) if context is not None else 0.0
     best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like) + replica + whole, 1, 0)
     for i, cand in enumerate(found or []):
@@ -324,7 +327,7 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
         if not usable:
             continue
         cost = _cost(node, cand, tensor_args, cur, n, param_like)
-        cost += replica if cand.output != SEQUENCE else 0.0
+        cost += replica if _first(cand.output) != SEQUENCE else 0.0
         cost += _final_reduction(node, cand, placed_on) if placed_on is not None and cost < NO_CANDIDATE else 0.0
         cost += context.penalty(cand, node) if context is not None else 0.0
         key = (cost, sum(c != r for c, r in zip(cur, cand.inputs, strict=True)), i)
@@ -349,7 +352,7 @@ def _final_reduction(node: fx.Node, cand: Candidate, placed_on: Callable[[fx.Nod
 
 def _stream_shaped(arg: fx.Node, node: fx.Node) -> bool:
     """``arg`` is a ``[batch, seq, hidden]`` tensor with the same batch and sequence sizes as ``node``'s output."""
-    a, out = tensor_val(arg), node.meta.get("val")
+    a, out = tensor_val(arg), _first(node.meta.get("val"))
     return a is not None and isinstance(out, torch.Tensor) and a.ndim == 3 == out.ndim and a.shape[:2] == out.shape[:2]
 
 
@@ -445,6 +448,12 @@ def transition_cost(src: Placement, dst: Placement, nbytes: int) -> float:
     return float(nbytes)  # all-gather or all-to-all
 
 
-def _nbytes(node: fx.Node) -> int:
-    v = tensor_val(node)
-    return v.numel() * v.element_size() if v is not None else 0
+def _nbytes(node: fx.Node, first: bool = False) -> int:
+    """Bytes of ``node``'s tensor value (``first``: of the first output of a multi-output op, dropout's)."""
+    v = _first(node.meta.get("val")) if first else tensor_val(node)
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _first(value: Any) -> Any:
+    """A multi-output op's first output (its value or placement: dropout's output before its mask); else itself."""
+    return value[0] if isinstance(value, (tuple, list)) and value else value

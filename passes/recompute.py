@@ -10,6 +10,7 @@ import torch.fx as fx
 from fxpar.errors import PlanError
 from fxpar.ir import Program, block_entry, entry_path
 from fxpar.pass_context import Context
+from fxpar.random_draws import RANDOM_OPS
 
 aten = torch.ops.aten
 # ops whose outputs "selective" saves (Korthikanti et al.; torchtitan's op-level policy): the matmuls and attention
@@ -19,8 +20,7 @@ SAVED_BY_SELECTIVE = {
     aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
 }
 # a recomputed random op would draw different numbers: its outputs are always saved
-RANDOM = {aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli_.float, aten.rand.default,
-          aten.randn.default, aten.rand_like.default, aten.randn_like.default}
+RANDOM = RANDOM_OPS
 POLICIES = ("selective", "full")
 
 

@@ -44,7 +44,7 @@ def sequence_parallel(prog: Program, ctx: Context) -> Program:
                       "(activations stay replicated over tp, as without it)", FxparWarning, stacklevel=2)
         return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": frozenset()})
     stream = frozenset(n.name for n in prog.graph.nodes
-                       if n.op == "call_function" and _is_stream(n.meta.get("val"), seq, widths))
+                       if n.op == "call_function" and _is_stream(_stream_value(n), seq, widths))
     return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": stream})
 
 
@@ -65,3 +65,10 @@ def hidden_widths(modules: ModuleTable, styles: dict[str, str]) -> set[int]:
 def _is_stream(val: object, seq: int, widths: set[int]) -> bool:
     return (isinstance(val, torch.Tensor) and val.ndim == 3 and val.dtype.is_floating_point
             and val.shape[1] == seq and val.shape[2] in widths)
+
+
+def _stream_value(n: torch.fx.Node) -> object:
+    """The value of ``n`` that may be the stream: dropout's output (not its mask); other multi-output ops (a layer
+    norm's output, mean and rstd) are placed through their ``getitem`` readers."""
+    val = n.meta.get("val")
+    return val[0] if n.target is torch.ops.aten.native_dropout.default and isinstance(val, tuple) else val

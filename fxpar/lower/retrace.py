@@ -24,8 +24,10 @@ from fxpar.lower.experts import EXPERT_AXIS, ExpertLowering
 from fxpar.lower.flat import FlatBuckets
 from fxpar.lower.grads import StepCollectives
 from fxpar.lower.program import RankProgram
+from fxpar.lower.random_draws import WholeDraws, draws_numbers
 from fxpar.lower.shapes import LocalShapes, localize
 from fxpar.mesh import Mesh
+from fxpar.random_draws import DRAWS_ON_SHAPE, is_sharded
 from fxpar.rules.experts import EXPERT_OPS
 from fxpar.split import BATCH_AXIS, dp_share, splitter
 
@@ -49,7 +51,7 @@ class _LazyEnv(dict):
         return value
 
 
-class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
+class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask, WholeDraws):
     """Retraces the global program for one rank (``retrace``) and builds its once-per-step graphs."""
 
     def __init__(self, prog: Program, rank: int) -> None:
@@ -200,6 +202,9 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         recompute = node.name in self.recompute
         if node.target is operator.getitem:
             src = self.env[node.args[0].name]
+            if isinstance(src, tuple):  # a random op drawn whole (``draw_whole``)
+                self.env[node.name] = src[node.args[1]]
+                return
             with self.at(recompute=recompute):
                 self.env[node.name] = self.emit(operator.getitem, (src, node.args[1]), placements=placements,
                                                 module=module, name=node.name)
@@ -211,6 +216,9 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask):
         with self.at(recompute=recompute):
             if node.target in EXPERT_OPS and self.experts is not None:
                 self.env[node.name] = self.experts.lower(node, args, module)
+                return
+            if node.target in DRAWS_ON_SHAPE and draws_numbers(node) and is_sharded(placements):
+                self.env[node.name] = self.draw_whole(node, args, placements, module)
                 return
             target, args = localize(node, args, placements, self.local_shapes())
             if target in CAUSAL_ATTENTION:

@@ -249,11 +249,13 @@ def _check_rank(case: Case, mesh: fxpar.Mesh, rank: int, reference: torch.nn.Mod
     pcoord, psizes = param_coord(mesh, rank)
     ledger = pm.ledger(rank)
     for step in range(case.steps):
+        rng = torch.get_rng_state()  # the reference draws (dropout) from the generator state the program drew from
         with CollectiveCounter() as issued:
             out = call_model(pm, local_inputs)
             loss = loss_fn(out)
             loss.backward()
         _check_ledger(ledger, issued.calls, [], step, report)
+        torch.set_rng_state(rng)
         ref_out = call_model(reference, case.inputs)
         names, ref_leaves = output_leaves(ref_out)
         for name, got, want, placements in zip(names, pytree.tree_leaves(out), ref_leaves, pm.output_placements(),
@@ -282,9 +284,11 @@ def _check_steps(case: Case, pm: fxpar.ParallelModule, reference: torch.nn.Modul
     for step in range(case.steps):
         model_args = (local_inputs,) if isinstance(local_inputs, dict) else local_inputs
         args = (*model_args, local_targets) if local_targets is not None else model_args
+        rng = torch.get_rng_state()
         with CollectiveCounter() as issued:
             loss = pm.step(*args)
         _check_ledger(ledger, issued.calls, [LOSS_REPORT], step, report)
+        torch.set_rng_state(rng)
         ref_loss = _reference_step(case, reference, loss_fn, batch_ranks(mesh), pm._compiled.microbatches)
         report.losses.append((loss.item(), ref_loss.item()))
         _compare("loss", loss.reshape(1), ref_loss.detach().reshape(1), step, tol, report)

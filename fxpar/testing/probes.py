@@ -276,3 +276,25 @@ def clipped_against_single_device(mesh_axes: dict[str, int], plan: Any, tokens: 
         ref = grads[name].grad
         worst = max(worst, ((g - ref).abs().max() / ref.abs().max()).item())
     return {"norm": norm.item(), "want": want.item(), "grad_diff": worst}
+
+
+def generator_states_after_build(mesh_axes: dict[str, int], tokens: torch.Tensor) -> list[bool]:
+    """Rank body: build the bundled Llama with dropout, seed each rank's generator differently (as a script seeding
+    per rank would), build its ParallelModule, and report for every rank whether its default generator's state
+    equals this rank's (``fxpar.random_draws.sync_generators``)."""
+    import fxpar
+
+    pm = parallelize_once(_llama_with_dropout_then_seed_per_rank, fxpar.Mesh(mesh_axes), (tokens,))
+    del pm
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, torch.get_rng_state())
+    return [bool(torch.equal(s, states[dist.get_rank()])) for s in states]
+
+
+def _llama_with_dropout_then_seed_per_rank() -> torch.nn.Module:
+    from fxpar.models.llama import llama
+
+    torch.manual_seed(0)
+    model = llama(n_layers=2, dropout=0.1)
+    torch.manual_seed(1000 + dist.get_rank())
+    return model

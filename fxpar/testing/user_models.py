@@ -117,3 +117,31 @@ class PatchEncoder(nn.Module):
 
 def patch_encoder() -> PatchEncoder:
     return PatchEncoder()
+
+
+class Stochastic(nn.Module):
+    """Training-mode randomness whose numbers depend on values: RReLU's slopes (drawn where the input is negative),
+    Bernoulli gates from sigmoid probabilities, Gaussian noise around the activations; then dropout."""
+
+    def __init__(self, width: int = 16, hidden: int = 32, classes: int = 4) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.act = nn.RReLU()
+        self.drop = nn.Dropout(0.25)
+        self.down = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.up(x))
+        h = h * torch.bernoulli(torch.sigmoid(h.detach())) + torch.normal(h.detach(), 0.01)
+        return self.down(self.drop(h))
+
+
+def stochastic() -> Stochastic:
+    return Stochastic()
+
+
+def gpt2_with_dropout() -> nn.Module:
+    """HF ``GPT2LMHeadModel`` with its default dropouts (embedding, attention, residual: 0.1 each), tiny widths."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4))
