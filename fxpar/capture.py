@@ -23,8 +23,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fxpar import blocks as _blocks_module
+from fxpar.batch_norm import CAPTURE_DECOMPOSITIONS
 from fxpar.block_state import Stripped, detached_state, held_elsewhere, restore_block_state, strip_block_state
 from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque_blocks, sharing_enabled
+from fxpar.buffer_writes import buffer_writes_as_copies
 from fxpar.creation_order import recording_names
 from fxpar.errors import CaptureError
 from fxpar.global_means import means_as_sums
@@ -167,7 +169,8 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
                 if exported.blocks is not None:  # stitching takes the names the trace dropped where it made them
                     stack.enter_context(recording_names())
                 stripped = _stripped(module, exported)
-                joint = aot_export_joint_with_descriptors(stack, stripped.module if stripped else module, args)
+                joint = aot_export_joint_with_descriptors(stack, stripped.module if stripped else module, args,
+                                                          decompositions=CAPTURE_DECOMPOSITIONS)
         except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
             raise CaptureError(_explain_trace_failure(model, e)) from e
         gm = joint.graph_module
@@ -182,6 +185,7 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         bmm_over_heads(gm)
         if mesh.axes.get(CONTEXT_AXIS, 1) > 1:  # the sequence is sharded: keep Linear's tokens un-flattened
             tokens_unflattened(gm)
+    buffer_writes_as_copies(gm)
     _refuse_mutations(gm, model)
     signature = _signature(gm, joint, args, canonical_names(model))
     provenance = {n.name: _provenance(n) for n in gm.graph.nodes if n.op != "output"}
@@ -348,9 +352,9 @@ def _is_user_file(path: str) -> bool:
 
 
 def _refuse_mutations(gm: fx.GraphModule, model: torch.nn.Module) -> None:
-    """A ``CaptureError`` naming each buffer or input the model's forward writes in place (BatchNorm's running
-    statistics in training mode, an EMA, a step counter), at the user's line: a rank program computes a pure
-    training step, and dropping the write would silently leave the buffer stale."""
+    """A ``CaptureError`` naming each input the model's forward writes in place, at the user's line (written
+    buffers are copies in the graph by now: ``fxpar.buffer_writes``): a rank program takes its inputs as the
+    caller's tensors' shards, and dropping the write would silently leave the caller's tensor stale."""
     out = gm.graph.output_node()
     written = [(desc.mutated_input, value) for value, desc in zip(out.args[0], out.meta["desc"], strict=True)
                if type(desc).__name__ == "InputMutationAOTOutput"]
@@ -363,10 +367,9 @@ def _refuse_mutations(gm: fx.GraphModule, model: torch.nn.Module) -> None:
         source = _provenance(value).source if isinstance(value, fx.Node) else ""
         lines.append(f"  {name}" + (f" (in {module})" if module else "") + (f" at {source}" if source else ""))
     raise CaptureError(
-        f"cannot compile {type(model).__name__}: its forward writes {len(written)} buffer(s) or input(s) in place:\n"
-        + "\n".join(lines) + "\nhint: fxpar compiles a pure training step. For BatchNorm, put the layer in eval mode "
-        "or build it with track_running_stats=False (batch statistics are then computed over the whole batch); "
-        "move other updates (EMAs, counters) out of forward")
+        f"cannot compile {type(model).__name__}: its forward writes {len(written)} input(s) in place:\n"
+        + "\n".join(lines) + "\nhint: return the new value instead, or keep it in a buffer of the model "
+        "(fxpar updates written buffers)")
 
 
 def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...], canonical: dict[str, str]) -> Signature:

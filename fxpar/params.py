@@ -14,6 +14,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.backends.classic import CLASSIC, gloo_collectives
 from fxpar.backends.comm import bind_groups
+from fxpar.buffer_writes import written_buffers
 from fxpar.compiled import Compiled
 from fxpar.direct_calls import direct_calls
 from fxpar.executor import StageRunner
@@ -115,6 +116,34 @@ def register_param(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -
     own_parameter(param)
 
 
+def stage_buffer_values(root: torch.nn.Module, prog: Program, buffers: dict[str, torch.Tensor],
+                        device: torch.device) -> list[torch.Tensor]:
+    """The buffers ``prog``'s forward takes. One it writes (BatchNorm's running statistics) is a copy of the
+    model's, registered on ``root`` under its path (``pm.named_buffers()``, ``state_dict``, checkpoints): the
+    user's model is not mutated, and the trained statistics are where its own would be."""
+    written = written_buffers(prog.graph)
+    out = []
+    for fqn, name in prog.signature.buffers:
+        value = buffers[fqn].detach().to(device)
+        if name in written:
+            held = _buffer_at(root, fqn)  # a buffer two stages of this rank write is one tensor
+            value = held if held is not None else register_buffer(root, fqn, value.clone())
+        out.append(value)
+    return out
+
+
+def register_buffer(root: torch.nn.Module, fqn: str, value: torch.Tensor) -> torch.Tensor:
+    """Register ``value`` as a buffer on ``root`` under the dotted path ``fqn``; return it."""
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part) or not isinstance(getattr(mod, part), torch.nn.Module):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    mod.register_buffer(leaf, value)
+    return value
+
+
 def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Module, rank: int
                 ) -> tuple[dict[int, list[torch.Tensor]], dict[int, StageRunner], list[tuple[str, Any]],
                            dist.ProcessGroup | None]:
@@ -140,7 +169,7 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
                 raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
             dt = distribute_tensor(p.detach().to(device), pmesh, param_placements(prog, fqn, name))
             register_param(root, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
-        stage_buffers[s] = [buffers[fqn].detach().to(device) for fqn, _ in prog.signature.buffers]
+        stage_buffers[s] = stage_buffer_values(root, prog, buffers, device)
         rp = compiled.rank_program(rank, s)
         names = {sym: group_name(dm, sym) for sym in rp.groups}
         runners[s] = StageRunner(stage_spec(compiled, rank, s), bound_graphs(compiled, rank, s, names))
@@ -226,3 +255,10 @@ def _has_path(root: torch.nn.Module, fqn: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def _buffer_at(root: torch.nn.Module, fqn: str) -> torch.Tensor | None:
+    try:
+        return root.get_buffer(fqn)
+    except AttributeError:
+        return None

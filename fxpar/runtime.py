@@ -111,6 +111,7 @@ class ParallelModule(RankParameters):
                                              {fqn: p.requires_grad for fqn, p in model.named_parameters()}, loss_fn)
         if rank is not None and model is not None:
             self._materialize(model)
+            self._save_sources.buffers.update(self.named_buffers())  # written buffers: this module's copies
 
     # -- inspection --------------------------------------------------------------------------
     @property

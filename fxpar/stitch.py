@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
+from fxpar.batch_norm import CAPTURE_DECOMPOSITIONS
 from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name
 from fxpar.creation_order import dead_names_before, recording_names
 from fxpar.grad_accumulation import absorbed, accumulation_chains
@@ -178,7 +179,7 @@ def _trace(site: Site, used: tuple[int, ...], fake_mode: Any) -> Representative:
         args = tuple(made)
         ep = torch.export.export(wrapper, args, strict=False)
         with ExitStack() as stack, without_onednn(), recording_names():
-            joint = aot_export_joint_with_descriptors(stack, ep.module(), args)
+            joint = aot_export_joint_with_descriptors(stack, ep.module(), args, decompositions=CAPTURE_DECOMPOSITIONS)
     return _representative(joint.graph_module, site, used, ep.graph_module.graph, len(args))
 
 

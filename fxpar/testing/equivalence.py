@@ -342,6 +342,9 @@ def _compare_grads_and_step(case: Case, pm: fxpar.ParallelModule, reference: tor
     for name, p in pm.named_parameters():
         _compare_param(f"{name} after step {step + 1}", p.data, ref_params[name].data, step, param_tol, report,
                        coord, sizes, absolute=True)
+    ref_buffers = dict(reference.named_buffers())
+    for name, b in pm.named_buffers():  # the buffers the forward writes (BatchNorm's running statistics)
+        _compare(f"buffer {name} after step {step + 1}", b, ref_buffers[name], step, tol, report)
 
 
 def mean_square(outputs: Any) -> torch.Tensor:

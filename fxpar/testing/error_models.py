@@ -52,6 +52,18 @@ def batch_norm_conv(**kwargs: bool) -> BatchNormConv:
     return BatchNormConv(**kwargs)
 
 
+class WritesItsInput(nn.Module):
+    """A forward that scales its input tensor in place: the caller's tensor changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)  # WRITES INPUT: the line the CaptureError must name
+        return self.lin(x)
+
+
 class NoRuleMLP(nn.Module):
     """``down(hardswish(h) * bucket(h))`` with ``h = up(x)`` sharded over tp: two elementwise ops DTensor
     cannot shard, so fxpar runs them replicated (gathering their inputs) and must stay exact.

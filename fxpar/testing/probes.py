@@ -298,3 +298,23 @@ def _llama_with_dropout_then_seed_per_rank() -> torch.nn.Module:
     model = llama(n_layers=2, dropout=0.1)
     torch.manual_seed(1000 + dist.get_rank())
     return model
+
+
+def running_statistics_after_a_step(images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    """Rank body: one dp=2 ``pm.step`` of the tiny ResNet; whether the user's model kept its buffers, the module's
+    own running statistics moved and are in its ``state_dict``, and its step counter."""
+    import fxpar
+    from fxpar.testing.user_models import tiny_resnet
+
+    torch.manual_seed(0)
+    model = tiny_resnet()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    mesh = fxpar.Mesh({"dp": 2})
+    pm = fxpar.parallelize(model, mesh, (images,), loss_fn=torch.nn.functional.cross_entropy)
+    r = dist.get_rank()
+    pm.step(images.chunk(2)[r], labels.chunk(2)[r])
+    held = dict(pm.named_buffers())
+    return {"model_untouched": all(torch.equal(b, before[name]) for name, b in model.named_buffers()),
+            "in_state_dict": "stem.1.running_mean" in pm.state_dict(),
+            "counter": int(held["stem.1.num_batches_tracked"]),
+            "moved": not torch.equal(held["stem.1.running_var"], before["stem.1.running_var"])}

@@ -145,3 +145,42 @@ def gpt2_with_dropout() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: two 3x3 convolutions with BatchNorm, a strided 1x1 shortcut when the
+    shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class TinyResNet(nn.Module):
+    """A ResNet in training mode: stem, two stages of two basic blocks (the second strided), pooled head; 10
+    BatchNorms whose running statistics the forward updates."""
+
+    def __init__(self, width: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.layer1 = nn.Sequential(BasicBlock(width, width), BasicBlock(width, width))
+        self.layer2 = nn.Sequential(BasicBlock(width, 2 * width, 2), BasicBlock(2 * width, 2 * width))
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.layer2(self.layer1(self.stem(image)))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def tiny_resnet() -> TinyResNet:
+    return TinyResNet()
