@@ -106,14 +106,21 @@ class RankParameters(torch.nn.Module):
 def register_param(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
     """Register ``param`` on ``root`` under the dotted path ``fqn`` (creating empty submodules on the way); optimizer
     steps over it compute on its local shard (``fxpar.local_optimizer``)."""
+    mod, leaf = _owner(root, fqn)
+    mod.register_parameter(leaf, param)
+    own_parameter(param)
+
+
+def _owner(root: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
+    """The submodule of ``root`` that holds the dotted path ``fqn`` (empty modules created on the way), and the
+    path's last name."""
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
         if not hasattr(mod, part) or not isinstance(getattr(mod, part), torch.nn.Module):
             mod.add_module(part, torch.nn.Module())
         mod = getattr(mod, part)
-    mod.register_parameter(leaf, param)
-    own_parameter(param)
+    return mod, leaf
 
 
 def stage_buffer_values(root: torch.nn.Module, prog: Program, buffers: dict[str, torch.Tensor],
@@ -134,12 +141,7 @@ def stage_buffer_values(root: torch.nn.Module, prog: Program, buffers: dict[str,
 
 def register_buffer(root: torch.nn.Module, fqn: str, value: torch.Tensor) -> torch.Tensor:
     """Register ``value`` as a buffer on ``root`` under the dotted path ``fqn``; return it."""
-    *path, leaf = fqn.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part) or not isinstance(getattr(mod, part), torch.nn.Module):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
+    mod, leaf = _owner(root, fqn)
     mod.register_buffer(leaf, value)
     return value
 
