@@ -50,10 +50,18 @@ def test_each_batch_norm_reduces_its_statistics_not_its_activations() -> None:
     assert "aten.copy_(stem_1_num_batches_tracked" in program
 
 
-def test_running_statistics_live_on_the_parallel_module_not_the_users_model() -> None:
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_running_statistics_live_on_the_parallel_module_and_its_checkpoints(tmp_path: object) -> None:
+    import fxpar.checkpoint
     from fxpar.testing.pool import default_pool
     from fxpar.testing.probes import running_statistics_after_a_step
 
-    for rank in default_pool().run(running_statistics_after_a_step, 2, IMAGES, LABELS, timeout=120):
+    folder = str(tmp_path / "ckpt")
+    ranks = default_pool().run(running_statistics_after_a_step, 2, IMAGES, LABELS, folder, timeout=120)
+    for rank in ranks:
         assert rank["model_untouched"] and rank["in_state_dict"], rank
         assert rank["counter"] == 1 and rank["moved"], rank
+    plain = tiny_resnet()  # the checkpoint loads into the plain model with the trained statistics, exactly
+    fxpar.checkpoint.load(plain, None, folder)
+    for name, value in plain.named_buffers():
+        assert torch.equal(value, torch.tensor(ranks[0]["buffers"][name], dtype=value.dtype)), name

@@ -300,10 +300,12 @@ def _llama_with_dropout_then_seed_per_rank() -> torch.nn.Module:
     return model
 
 
-def running_statistics_after_a_step(images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
-    """Rank body: one dp=2 ``pm.step`` of the tiny ResNet; whether the user's model kept its buffers, the module's
-    own running statistics moved and are in its ``state_dict``, and its step counter."""
+def running_statistics_after_a_step(images: torch.Tensor, labels: torch.Tensor, folder: str) -> dict[str, Any]:
+    """Rank body: one dp=2 ``pm.step`` of the tiny ResNet, then ``fxpar.checkpoint.save`` into ``folder``; whether
+    the user's model kept its buffers, the module's own running statistics moved and are in its ``state_dict``,
+    its step counter, and every buffer it holds (lists)."""
     import fxpar
+    import fxpar.checkpoint
     from fxpar.testing.user_models import tiny_resnet
 
     torch.manual_seed(0)
@@ -314,7 +316,9 @@ def running_statistics_after_a_step(images: torch.Tensor, labels: torch.Tensor) 
     r = dist.get_rank()
     pm.step(images.chunk(2)[r], labels.chunk(2)[r])
     held = dict(pm.named_buffers())
+    fxpar.checkpoint.save(pm, None, folder)
     return {"model_untouched": all(torch.equal(b, before[name]) for name, b in model.named_buffers()),
             "in_state_dict": "stem.1.running_mean" in pm.state_dict(),
             "counter": int(held["stem.1.num_batches_tracked"]),
-            "moved": not torch.equal(held["stem.1.running_var"], before["stem.1.running_var"])}
+            "moved": not torch.equal(held["stem.1.running_var"], before["stem.1.running_var"]),
+            "buffers": {name: b.tolist() for name, b in held.items()}}
