@@ -14,7 +14,6 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.backends.classic import CLASSIC, gloo_collectives
 from fxpar.backends.comm import bind_groups
-from fxpar.buffer_writes import written_buffers
 from fxpar.compiled import Compiled
 from fxpar.direct_calls import direct_calls
 from fxpar.executor import StageRunner
@@ -23,7 +22,7 @@ from fxpar.ir import Program
 from fxpar.local_optimizer import own_parameter
 from fxpar.mesh import Mesh
 from fxpar.random_draws import draws_random, sync_generators
-from fxpar.rank_spec import stage_spec
+from fxpar.rank_spec import StageSpec, stage_spec
 from fxpar.rank_step import backward_halves, tie_holders, tie_ranks
 
 
@@ -123,17 +122,17 @@ def _owner(root: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
     return mod, leaf
 
 
-def stage_buffer_values(root: torch.nn.Module, prog: Program, buffers: dict[str, torch.Tensor],
+def stage_buffer_values(root: torch.nn.Module, st: StageSpec, buffers: dict[str, torch.Tensor],
                         device: torch.device) -> list[torch.Tensor]:
-    """The buffers ``prog``'s forward takes. One it writes (BatchNorm's running statistics) is a copy of the
-    model's, registered on ``root`` under its path (``pm.named_buffers()``, ``state_dict``, checkpoints): the
-    user's model is not mutated, and the trained statistics are where its own would be."""
-    written = written_buffers(prog.graph)
+    """The buffers a stage's forward takes (``st.buffer_fqns``), from ``buffers``. One it writes (BatchNorm's
+    running statistics) is a copy, registered on ``root`` under its path (``pm.named_buffers()``, ``state_dict``,
+    checkpoints; ``fxpar.run``'s too): the user's model is not mutated, and the trained statistics are where the
+    model keeps its own."""
     out = []
-    for fqn, name in prog.signature.buffers:
+    for fqn in st.buffer_fqns:
         value = buffers[fqn].detach().to(device)
-        if name in written:
-            held = _buffer_at(root, fqn)  # a buffer two stages of this rank write is one tensor
+        if fqn in st.written_buffers:
+            held = buffer_at(root, fqn)  # a buffer two stages of this rank write is one tensor
             value = held if held is not None else register_buffer(root, fqn, value.clone())
         out.append(value)
     return out
@@ -171,10 +170,11 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
                 raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
             dt = distribute_tensor(p.detach().to(device), pmesh, param_placements(prog, fqn, name))
             register_param(root, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
-        stage_buffers[s] = stage_buffer_values(root, prog, buffers, device)
+        spec = stage_spec(compiled, rank, s)
+        stage_buffers[s] = stage_buffer_values(root, spec, buffers, device)
         rp = compiled.rank_program(rank, s)
         names = {sym: group_name(dm, sym) for sym in rp.groups}
-        runners[s] = StageRunner(stage_spec(compiled, rank, s), bound_graphs(compiled, rank, s, names))
+        runners[s] = StageRunner(spec, bound_graphs(compiled, rank, s, names))
     if draws_random([prog.graph for prog in compiled.stages]):  # every rank decides alike: the global programs
         sync_generators(mesh.device)  # copies of a random value must agree on every rank (fxpar.random_draws)
     pp_group = dm.get_group("pp") if mesh.axes.get("pp", 1) > 1 else None
@@ -259,7 +259,7 @@ def _has_path(root: torch.nn.Module, fqn: str) -> bool:
         return False
 
 
-def _buffer_at(root: torch.nn.Module, fqn: str) -> torch.Tensor | None:
+def buffer_at(root: torch.nn.Module, fqn: str) -> torch.Tensor | None:
     try:
         return root.get_buffer(fqn)
     except AttributeError:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from fxpar.buffer_writes import written_buffers
 from fxpar.rank_step import Boundary, Comm, StepEvent, boundary_meta
 from fxpar.split import BATCH_AXIS, batch_weight, splitter
 
@@ -44,6 +45,7 @@ class StageSpec:
     user_inputs: list[int] | None  # flat user inputs this stage reads (None: every one, no pipeline)
     sent: list[str]  # boundary values for the next stage, as the forward's outputs
     out_meta: list[tuple[list[int], torch.dtype] | None]  # local shape and dtype of each output
+    written_buffers: list[str] = field(default_factory=list)  # buffers the forward writes in place (BatchNorm's)
 
 
 @dataclass
@@ -84,6 +86,7 @@ def stage_spec(compiled: Compiled, rank: int, stage: int) -> StageSpec:
         user_inputs=list(info.user_inputs) if info is not None else None,
         sent=list(info.sent) if info is not None else [],
         out_meta=[(list(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in vals],
+        written_buffers=[fqn for fqn, name in sig.buffers if name in written_buffers(prog.graph)],
     )
 
 

@@ -28,7 +28,7 @@ from fxpar.backends.emit import FORMAT, stage_suffix_of, version
 from fxpar.errors import SavedProgramError
 from fxpar.executor import StageRunner, StepExecutor
 from fxpar.mesh import Mesh
-from fxpar.params import RankParameters, axis_group, param_mesh, register_param
+from fxpar.params import RankParameters, axis_group, param_mesh, register_param, stage_buffer_values
 from fxpar.random_draws import sync_generators
 from fxpar.rank_spec import RankSpec, events_from_data, spec_from_data
 from fxpar.rank_step import StepEvent
@@ -80,7 +80,7 @@ class SavedRank:
         for p in self.params:
             register_param(state, p["fqn"], _empty_param(p, pmesh, device))
         for s, st in self.spec.stages.items():
-            state._stage_buffers[s] = [self.buffers[fqn].to(device) for fqn in st.buffer_fqns]
+            state._stage_buffers[s] = stage_buffer_values(state, st, self.buffers, device)
             state._runners[s] = StageRunner(st, self._graphs(s))
         executor = StepExecutor(state, state._runners, self.events, self.spec, self._loss(), ties)
         sync_generators(mesh.device)  # random ops (dropout) draw alike on every rank (fxpar.random_draws)
