@@ -352,9 +352,9 @@ def _is_user_file(path: str) -> bool:
 
 
 def _refuse_mutations(gm: fx.GraphModule, model: torch.nn.Module) -> None:
-    """A ``CaptureError`` naming each input the model's forward writes in place, at the user's line (written
-    buffers are copies in the graph by now: ``fxpar.buffer_writes``): a rank program takes its inputs as the
-    caller's tensors' shards, and dropping the write would silently leave the caller's tensor stale."""
+    """A ``CaptureError`` naming each input or parameter the model's forward writes in place, at the user's line
+    (written buffers are copies in the graph by now: ``fxpar.buffer_writes``): a rank program holds shards of
+    the caller's tensors and of the parameters, and dropping the write would silently leave them stale."""
     out = gm.graph.output_node()
     written = [(desc.mutated_input, value) for value, desc in zip(out.args[0], out.meta["desc"], strict=True)
                if type(desc).__name__ == "InputMutationAOTOutput"]
@@ -366,10 +366,13 @@ def _refuse_mutations(gm: fx.GraphModule, model: torch.nn.Module) -> None:
         module = _provenance(value).module if isinstance(value, fx.Node) else ""
         source = _provenance(value).source if isinstance(value, fx.Node) else ""
         lines.append(f"  {name}" + (f" (in {module})" if module else "") + (f" at {source}" if source else ""))
+    params = sum(type(what).__name__ == "ParamAOTInput" for what, _ in written)
+    hint = ("a parameter is the optimizer's to change: renormalize it outside forward (under torch.no_grad(), "
+            "e.g. nn.Embedding's max_norm as a step after opt.step())" if params else
+            "return the new value instead, or keep it in a buffer of the model (fxpar updates written buffers)")
     raise CaptureError(
-        f"cannot compile {type(model).__name__}: its forward writes {len(written)} input(s) in place:\n"
-        + "\n".join(lines) + "\nhint: return the new value instead, or keep it in a buffer of the model "
-        "(fxpar updates written buffers)")
+        f"cannot compile {type(model).__name__}: its forward writes {len(written)} "
+        f"{'parameter' if params else 'input'}(s) in place:\n" + "\n".join(lines) + f"\nhint: {hint}")
 
 
 def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...], canonical: dict[str, str]) -> Signature:

@@ -1,6 +1,7 @@
 """BatchNorm in training mode (fxpar.batch_norm, fxpar.buffer_writes): the whole batch's statistics on a
 dp-sharded batch (SyncBatchNorm's semantics, the single device's), running statistics written into the rank's own
-buffers, the user's model untouched."""
+buffers, the user's model untouched; other buffers a forward writes (an EMA, a counter, spectral norm's vectors)
+alike."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.testing import assert_equivalent
-from fxpar.testing.user_models import tiny_resnet
+from fxpar.testing.user_models import running_features, tiny_resnet
 
 IMAGES = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
 LABELS = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
@@ -65,3 +66,12 @@ def test_running_statistics_live_on_the_parallel_module_and_its_checkpoints(tmp_
     fxpar.checkpoint.load(plain, None, folder)
     for name, value in plain.named_buffers():
         assert torch.equal(value, torch.tensor(ranks[0]["buffers"][name], dtype=value.dtype)), name
+
+
+@pytest.mark.parametrize(("axes", "plan"), [({"dp": 2}, None), ({"tp": 2}, {"up": "colwise"})],
+                         ids=["dp2", "tp2 colwise (the EMA sharded)"])
+def test_other_buffers_the_forward_writes_match_the_single_device(axes: dict, plan: object) -> None:
+    # the EMA reads a dp-sharded batch (a partial sum completed before the write) or tp-sharded features; every
+    # written buffer is compared after each step, at the default fp32 tolerance
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    assert_equivalent(running_features, axes, plan, (x,), steps=3)

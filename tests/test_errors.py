@@ -149,6 +149,15 @@ def test_input_written_in_forward_names_it_and_the_line() -> None:
     assert "writes 1 input(s) in place" in msg and f"error_models.py:{line}" in msg, msg
 
 
+def test_parameter_written_in_forward_is_refused_with_a_way_out() -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes rows of its weight in place during forward."""
+    model = nn.Sequential(nn.Embedding(64, 16, max_norm=1.0), nn.Linear(16, 4))
+    with pytest.raises(fxpar.CaptureError) as info:
+        fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (torch.randint(0, 64, (4, 8)),))
+    msg = str(info.value)
+    assert "writes 1 parameter(s) in place" in msg and "0.weight" in msg and "max_norm" in msg, msg
+
+
 def test_batch_norm_without_running_stats_matches_single_device() -> None:
     """Batch statistics only, computed over the whole dp-sharded batch (fp32, rtol 1e-5)."""
     assert_equivalent(functools.partial(error_models.batch_norm_conv, track_running_stats=False), {"dp": 2},

@@ -1,6 +1,8 @@
-"""Sharding rule for ``lift_fresh_copy``: the copy the export makes of a tensor the model's forward creates
-(``torch.tensor(...)`` in Falcon's attention, for one). DTensor has no strategy for it, so without this rule it ran
-replicated with a warning; it is a copy, so any placement carries through unchanged."""
+"""Sharding rules for copies DTensor has no strategy for (without them they ran replicated, with a warning).
+
+``lift_fresh_copy`` is the copy the export makes of a tensor the model's forward creates (``torch.tensor(...)`` in
+Falcon's attention, for one): any placement carries through unchanged. ``copy`` is a functionalized in-place write.
+"""
 
 from __future__ import annotations
 
@@ -18,3 +20,21 @@ def lift_fresh_copy(args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> li
     x = args[0]
     out = [Candidate((Replicate(),), Replicate()), Candidate((Partial(),), Partial())]
     return out + [Candidate((Shard(d),), Shard(d)) for d in range(x.ndim) if x.shape[d] >= n]
+
+
+@register(torch.ops.aten.copy.default)
+def copy(args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[Candidate]:
+    """``copy(self, src)``: ``src``'s values in ``self``'s shape and dtype (a functionalized in-place write, as
+    ``buffer.mul_(0.9)`` in an EMA). Replicated, or sharded on a dim of ``self`` with at least ``n`` entries, where
+    ``src`` is sharded on the same dim or broadcast along it (whole)."""
+    dst, src = args[0], args[1]
+    out = [Candidate((Replicate(), Replicate()), Replicate())]
+    lead = dst.ndim - src.ndim
+    for d in range(dst.ndim):
+        if dst.shape[d] < n:
+            continue
+        if d >= lead and src.shape[d - lead] == dst.shape[d]:
+            out.append(Candidate((Shard(d), Shard(d - lead)), Shard(d)))
+        elif d < lead or src.shape[d - lead] == 1:
+            out.append(Candidate((Shard(d), Replicate()), Shard(d)))
+    return out

@@ -184,3 +184,25 @@ class TinyResNet(nn.Module):
 
 def tiny_resnet() -> TinyResNet:
     return TinyResNet()
+
+
+class RunningFeatures(nn.Module):
+    """Buffers a forward updates besides BatchNorm's: an EMA of the features' batch mean (``mul_``/``add_``), a step
+    counter (``+= 1``), and spectral normalization's power-iteration vectors (``torch.nn.utils.spectral_norm``)."""
+
+    def __init__(self, width: int = 16, hidden: int = 32, classes: int = 4) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.register_buffer("ema", torch.zeros(hidden))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.down = torch.nn.utils.parametrizations.spectral_norm(nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        self.ema.mul_(0.9).add_(h.detach().mean(0) * 0.1)
+        self.steps += 1
+        return self.down(h - self.ema)
+
+
+def running_features() -> RunningFeatures:
+    return RunningFeatures()
