@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.testing import assert_equivalent
-from fxpar.testing.user_models import running_features, tiny_resnet
+from fxpar.testing.user_models import hf_convnext_drop_path, hf_resnet, running_features, tiny_resnet
 
 IMAGES = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
 LABELS = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
@@ -75,3 +75,17 @@ def test_other_buffers_the_forward_writes_match_the_single_device(axes: dict, pl
     # written buffer is compared after each step, at the default fp32 tolerance
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
     assert_equivalent(running_features, axes, plan, (x,), steps=3)
+
+
+def image_cross_entropy(out: object, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits, labels)
+
+
+@pytest.mark.parametrize("model_fn", [hf_resnet, hf_convnext_drop_path], ids=["HF ResNet", "HF ConvNeXt, drop path"])
+def test_hf_image_models_in_training_mode_match_the_single_device(model_fn: object) -> None:
+    # ResNet: BatchNorm statistics and running statistics; ConvNeXt: stochastic depth's per-sample draws
+    # (fxpar.random_draws) and LayerNorm over channels
+    pytest.importorskip("transformers")
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    assert_equivalent(model_fn, {"dp": 2}, None, {"pixel_values": images}, steps=3, loss_fn=image_cross_entropy,
+                      targets=LABELS[:4] % 5)

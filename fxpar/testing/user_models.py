@@ -206,3 +206,22 @@ class RunningFeatures(nn.Module):
 
 def running_features() -> RunningFeatures:
     return RunningFeatures()
+
+
+def hf_resnet() -> nn.Module:
+    """HF ``ResNetForImageClassification`` (BatchNorm in training mode), tiny widths; needs ``transformers``."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+                       num_labels=5)
+    return ResNetForImageClassification(cfg)
+
+
+def hf_convnext_drop_path() -> nn.Module:
+    """HF ``ConvNextForImageClassification`` with stochastic depth (``drop_path_rate``: ``torch.rand`` per sample in
+    training mode), tiny widths; needs ``transformers``."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    cfg = ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5,
+                         drop_path_rate=0.1)
+    return ConvNextForImageClassification(cfg)
