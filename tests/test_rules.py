@@ -265,3 +265,35 @@ def test_a_copy_of_a_tensor_made_in_forward_keeps_any_placement(shape: tuple[int
                                                                    if shape[d] >= 2}
     for cand in found:
         check_candidate(op, (x,), {}, cand, 2)
+
+
+@pytest.mark.parametrize(("dst", "src"), [((4, 6), (4, 6)), ((4, 6), (6,)), ((4, 6), (4, 1))],
+                         ids=["same shape", "broadcast rows", "broadcast columns"])
+def test_a_functional_copy_holds_on_real_shards(dst: tuple[int, ...], src: tuple[int, ...]) -> None:
+    """``copy(self, src)`` (an EMA's ``buf.mul_(0.9)``, functionalized) had no rule: replicated with a warning."""
+    op = aten.copy.default
+    args = (torch.randn(dst), torch.randn(src))
+    found = candidates(op, args, {}, [Replicate(), Replicate()], 2)
+    assert Shard(0) in {c.output for c in found}
+    for cand in found:
+        check_candidate(op, args, {}, cand, 2)
+
+
+def test_interpolations_index_ops_keep_batch_and_channels_sharded_on_real_shards() -> None:
+    """``F.interpolate`` decomposes into ``_unsafe_index`` on the spatial dims (forward) and ``_unsafe_index_put``
+    (backward): the batch and channel dims may stay sharded, the index tensors whole."""
+    x = torch.randn(4, 6, 5, 5)
+    rows = torch.tensor([0, 0, 1, 2, 3, 4, 4, 4]).unsqueeze(-1)
+    cols = torch.tensor([0, 1, 1, 2, 3, 3, 4, 4])
+    index = (x, [None, None, rows, cols])
+    found = candidates(aten._unsafe_index.Tensor, index, {}, [Replicate()] * 3, 2)
+    assert {c.output for c in found} == {Replicate(), Shard(0), Shard(1)}
+    for cand in found:
+        check_candidate(aten._unsafe_index.Tensor, index, {}, cand, 2)
+    put = (torch.zeros(4, 6, 5, 5), [None, None, rows, cols], torch.randn(4, 6, 8, 8), True)
+    found = candidates(aten._unsafe_index_put.default, put, {}, [Replicate()] * 4, 2)
+    assert {c.output for c in found} == {Replicate(), Shard(0), Shard(1)}
+    for cand in found:
+        check_candidate(aten._unsafe_index_put.default, put, {}, cand, 2)
+    apart = (x, [None, rows.squeeze(-1)[:5], None, cols[:5]])  # indexed dims not adjacent: result dims move first
+    assert {c.output for c in candidates(aten._unsafe_index.Tensor, apart, {}, [Replicate()] * 3, 2)} == {Replicate()}

@@ -6,7 +6,7 @@ import torch
 
 import fxpar
 from fxpar.testing import assert_equivalent
-from fxpar.testing.user_models import residual_stack, stacked_lstm, temporal_conv
+from fxpar.testing.user_models import residual_stack, segmentation_net, stacked_lstm, temporal_conv
 
 
 def test_stacked_lstm_matches_single_device() -> None:
@@ -34,3 +34,18 @@ def test_blocks_of_a_root_sequential_are_recomputed_and_printed_as_ranges() -> N
     assert "# holds   0-2" in pm.program(0) and "# holds   3-5" in pm.program(1)
     assert "recompute" in pm.program(0).split("def backward")[1]
     assert_equivalent(residual_stack, {"dp": 2}, fxpar.Plan(zero=1, recompute="full"), (x,), steps=2)
+
+
+def test_a_segmentation_net_keeps_its_batch_sharded_and_matches_single_device() -> None:
+    """A U-Net in training mode: BatchNorm (its statistics all-reduced), a transposed convolution, bilinear
+    ``F.interpolate`` (``_unsafe_index`` and its backward ``_unsafe_index_put`` keep the dp-sharded batch: no
+    activation is gathered) and ``Dropout2d`` (whole draws, fxpar.random_draws); dp=2 ZeRO-3, fp32, rtol 1e-5,
+    per-pixel cross-entropy."""
+    images = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 2, (4, 8, 8), generator=torch.Generator().manual_seed(1))
+    pm = fxpar.parallelize(segmentation_net(), fxpar.Mesh({"dp": 2}, fake=True), (images,))
+    assert {r.op for r in pm.ledger(0)} == {"all_reduce"}, pm.ledger(0)
+    assert "aten._unsafe_index.Tensor" in pm.program(0) and "dp:S(0)" in next(
+        line for line in pm.program(0).splitlines() if "aten._unsafe_index.Tensor" in line)
+    assert_equivalent(segmentation_net, {"dp": 2}, fxpar.Plan(zero=3), (images,), steps=3,
+                      loss_fn=torch.nn.functional.cross_entropy, targets=labels)

@@ -225,3 +225,31 @@ def hf_convnext_drop_path() -> nn.Module:
     cfg = ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5,
                          drop_path_rate=0.1)
     return ConvNextForImageClassification(cfg)
+
+
+def _conv_bn_relu(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+class SegmentationNet(nn.Module):
+    """A small U-Net: conv-BatchNorm blocks, max pooling, a transposed convolution, bilinear ``F.interpolate`` back to
+    the skip connection's size, channel concatenation, ``Dropout2d`` and a 1x1 head over two classes per pixel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down1, self.down2 = _conv_bn_relu(3, 8), _conv_bn_relu(8, 16)
+        self.pool = nn.MaxPool2d(2)
+        self.up = nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.fuse = _conv_bn_relu(16, 8)
+        self.drop = nn.Dropout2d(0.1)
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        skip = self.down1(image)
+        up = self.up(self.down2(self.pool(skip)))
+        up = torch.nn.functional.interpolate(up, size=skip.shape[-2:], mode="bilinear", align_corners=False)
+        return self.head(self.fuse(self.drop(torch.cat([skip, up], 1))))
+
+
+def segmentation_net() -> SegmentationNet:
+    return SegmentationNet()
