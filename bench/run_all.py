@@ -16,6 +16,7 @@
 11. ``expert_parallel.py``: ep parameter memory, all-to-all and all-reduce bytes against their formulas, routing.
 13. ``mixed_precision.py``: bf16 mixed precision vs FSDP2's MixedPrecisionPolicy: bytes by dtype, step time.
 14. ``compiled.py``: Plan(compile=True) vs eager, DDP eager and DDP + torch.compile: step time.
+22. ``train_mode.py``: BatchNorm, dropout under SP and F.interpolate: ledger bytes vs optimum (compile-only).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def commands(layers: str, repeats: int) -> list[list[str]]:
             [py, os.path.join(HERE, "context_parallel.py")],
             [py, os.path.join(HERE, "expert_parallel.py")],
             [py, os.path.join(HERE, "mixed_precision.py")],
-            [py, os.path.join(HERE, "compiled.py")]]
+            [py, os.path.join(HERE, "compiled.py")],
+            [py, os.path.join(HERE, "train_mode.py")]]
 
 
 def main() -> None:
