@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from fxpar.passes.usable import Taken, disjoint, fits, plain
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -59,7 +60,6 @@ MAX_REDUCTIONS = {aten.amax.default}  # may leave a Partial("max") (fp8 scales),
 VIEW_LIKE = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
              aten.permute.default, aten.detach.default, aten.alias.default, aten._to_copy.default}
 PARAM_PENALTY = 1e6
-Taken = tuple[dict[int, set[int]], dict[int, set[int]]]  # tensor input / output index -> sharded dims
 NO_CANDIDATE = math.inf
 SEQUENCE = Shard(1)  # where sequence parallelism keeps the residual stream ([batch, seq, hidden]) on tp
 
@@ -321,7 +321,7 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
     whole = context.penalty(fallback, node) if context is not None else 0.0
     best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like) + replica + whole, 1, 0)
     for i, cand in enumerate(found or []):
-        usable = _fits(node, cand, len(cur)) and _disjoint(cand, taken) and _plain(cand)
+        usable = fits(node, cand, len(cur)) and disjoint(cand, taken) and plain(cand)
         if usable and context is not None:
             usable = context.allowed(cand, tensor_args, node)
         if not usable:
@@ -354,44 +354,6 @@ def _stream_shaped(arg: fx.Node, node: fx.Node) -> bool:
     """``arg`` is a ``[batch, seq, hidden]`` tensor with the same batch and sequence sizes as ``node``'s output."""
     a, out = tensor_val(arg), _first(node.meta.get("val"))
     return a is not None and isinstance(out, torch.Tensor) and a.ndim == 3 == out.ndim and a.shape[:2] == out.shape[:2]
-
-
-def _fits(node: fx.Node, cand: Candidate, n_inputs: int) -> bool:
-    """Whether a rule's candidate has ``node``'s structure: one placement per tensor input and, for an op with several
-    outputs, one per output. A rule that answers in another shape (seen with torch 2.11's DTensor, on a GPU image
-    outside fxpar's pinned torch: one input spec for ``aten.index.Tensor``'s two tensors, one output spec for
-    ``aten.native_layer_norm``'s three outputs) cannot be read safely: it is ignored, with a warning naming the
-    op, and the node runs as another candidate (at worst replicated)."""
-    val = node.meta.get("val")
-    fits = len(cand.inputs) == n_inputs
-    if isinstance(val, (tuple, list)):
-        fits = fits and isinstance(cand.output, tuple) and len(cand.output) == len(val)
-    if not fits:
-        outs = len(cand.output) if isinstance(cand.output, tuple) else 1
-        warnings.warn(f"fxpar: a sharding rule for {node.target} answered with {len(cand.inputs)} input and {outs} "
-                      f"output placements where the op has {n_inputs} tensor inputs and "
-                      f"{len(val) if isinstance(val, (tuple, list)) else 1} outputs; that strategy is ignored",
-                      FxparWarning, stacklevel=2)
-    return fits
-
-
-def _plain(cand: Candidate) -> bool:
-    """Whether ``cand`` uses only placements lowering implements (not DTensor's ``_StridedShard``, which a
-    flatten of a tensor sharded on an inner dim yields: fxpar gathers before such a view instead)."""
-    outs = cand.output if isinstance(cand.output, tuple) else (cand.output,)
-    return all(p is None or type(p) in (Shard, Replicate, Partial) for p in (*cand.inputs, *outs))
-
-
-def _disjoint(cand: Candidate, taken: Taken) -> bool:
-    """Whether ``cand`` shards no dim that an earlier mesh axis already shards (fxpar keeps one axis per dim)."""
-    ins, outs = taken
-    for i, p in enumerate(cand.inputs):
-        if isinstance(p, Shard) and p.dim in ins.get(i, ()):
-            return False
-    for i, p in enumerate(cand.output if isinstance(cand.output, tuple) else (cand.output,)):
-        if isinstance(p, Shard) and p.dim in outs.get(i, ()):
-            return False
-    return True
 
 
 def _cost(node: fx.Node, cand: Candidate, tensor_args: list[fx.Node], cur: list[Placement], n: int,

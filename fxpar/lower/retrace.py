@@ -23,6 +23,7 @@ from fxpar.lower.emit import Site
 from fxpar.lower.experts import EXPERT_AXIS, ExpertLowering
 from fxpar.lower.flat import FlatBuckets
 from fxpar.lower.grads import StepCollectives
+from fxpar.lower.layout import TracedLayout
 from fxpar.lower.program import RankProgram
 from fxpar.lower.random_draws import WholeDraws, draws_numbers
 from fxpar.lower.shapes import LocalShapes, localize
@@ -51,7 +52,7 @@ class _LazyEnv(dict):
         return value
 
 
-class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask, WholeDraws):
+class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask, WholeDraws, TracedLayout):
     """Retraces the global program for one rank (``retrace``) and builds its once-per-step graphs."""
 
     def __init__(self, prog: Program, rank: int) -> None:
@@ -95,30 +96,6 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask, Whol
                 x = self.apply_step(x, step, tuple(current), module, self.prog.node(producer).meta["val"])
             self.cache[key] = self.restore_layout(x, self.prog.node(producer).meta["val"], dst, module)
         return self.cache[key]
-
-    def restore_layout(self, x: fx.Node, like: torch.Tensor, placements: Placements, module: str) -> fx.Node:
-        """``x`` laid out in the dim order of the global value ``like``.
-
-        A gather along dim d returns the collective's buffer moved back by ``movedim``, so its
-        memory order differs from the global tensor's; kernels called below the dispatcher (the
-        CPU flash-attention kernel reads the last dim as contiguous) assume the traced layout.
-        A slice of a contiguous value on a dim other than the first is not contiguous either, and
-        ``native_layer_norm_backward`` reads its ``mean``/``rstd`` as if it were: a value traced
-        contiguous is made contiguous again.
-        """
-        val = x.meta["val"]
-        big = [i for i in range(val.ndim) if val.shape[i] > 1 and like.shape[i] > 1]
-        order = stride_order(like)
-        same_order = [i for i in stride_order(val) if i in big] == [i for i in order if i in big]
-        if same_order and (val.is_contiguous() or not like.is_contiguous()):
-            return x
-        contiguous = {"memory_format": torch.contiguous_format}
-        if order == list(range(like.ndim)):
-            return self.emit(aten.clone.default, (x,), contiguous, placements=placements, module=module)
-        y = self.emit(aten.permute.default, (x, order), module=module)
-        y = self.emit(aten.clone.default, (y,), contiguous, module=module)
-        inverse = [order.index(i) for i in range(like.ndim)]
-        return self.emit(aten.permute.default, (y, inverse), placements=placements, module=module)
 
     # -- the walk ---------------------------------------------------------------------------
     def retrace(self) -> RankProgram:
@@ -278,8 +255,3 @@ def batch_sharded(mesh: Mesh, p: Placements, axis: str) -> int:
     """The size of ``axis`` if ``p`` shards a value over it (a batch axis), else 1."""
     n = mesh.axes.get(axis, 1)
     return n if n > 1 and isinstance(p[mesh.axis_index(axis)], Shard) else 1
-
-
-def stride_order(t: torch.Tensor) -> list[int]:
-    """Dims from outermost to innermost in memory (ties, e.g. size-1 dims, by index)."""
-    return sorted(range(t.ndim), key=lambda i: (-t.stride()[i], i))
