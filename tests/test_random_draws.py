@@ -59,9 +59,12 @@ def test_a_sharded_dropout_is_drawn_whole_and_sliced_and_stays_in_the_sequence_p
     draws = [line for line in forward if "aten.native_dropout(" in line]
     assert len(draws) == 4  # two per layer, each mask drawn on the whole (4, 16, 64) residual
     assert all("f32[4,16,64], b8[4,16,64]" in line and "_whole" in line for line in draws), draws
-    # rank 3 keeps its piece: rows 2-3 over dp, then positions 8-15 over tp (sequence parallel)
+    # rank 3 keeps its piece: rows 2-3 over dp, then positions 8-15 over tp (sequence parallel), copied out of the
+    # whole mask (a saved slice would keep the whole mask alive until the backward)
+    slices = [line for line in forward if "aten.slice.Tensor(" in line and "b8[2,8,64]" in line]
+    assert len(slices) == 4 and all(", 1, 8, 16)" in line for line in slices), slices
     pieces = [line for line in forward if "b8[2,8,64]   dp:S(0) tp:S(1)" in line]
-    assert len(pieces) == 4 and all("aten.slice.Tensor(" in line and ", 1, 8, 16)" in line for line in pieces)
+    assert len(pieces) == 4 and all("aten.clone(" in line for line in pieces), pieces
     # Megatron SP: a rowwise output is reduce-scattered onto the sequence and dropped out there, not all-reduced
     forward_tp = {r.op for r in pm.ledger(3) if r.phase == "fwd" and r.axis == "tp"}
     assert forward_tp == {"all_gather", "reduce_scatter"}, forward_tp

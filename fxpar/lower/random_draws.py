@@ -45,12 +45,13 @@ class WholeDraws:
 
     def piece_of(self, x: fx.Node, placements: Placements, module: str) -> fx.Node:
         """This rank's piece of the whole value ``x`` placed as ``placements`` (axes in mesh order, as DTensor
-        nests shards of one dim)."""
-        sharded = [ax for ax, p in enumerate(placements) if p.is_shard()]
-        for ax in sharded:
-            x = self.own_piece(x, placements[ax].dim, self.mesh.names[ax], placements if ax == sharded[-1] else None,
-                               module)
-        return x
+        nests shards of one dim), copied out of it: a saved slice would keep the whole draw alive until the
+        backward (a dropout mask ``dp`` times the size of the rank's own)."""
+        for ax, p in enumerate(placements):
+            if p.is_shard():
+                x = self.own_piece(x, p.dim, self.mesh.names[ax], None, module)
+        return self.emit(aten.clone.default, (x,), {"memory_format": torch.contiguous_format},
+                         placements=placements, module=module)
 
 
 def draws_numbers(node: fx.Node) -> bool:
