@@ -1,9 +1,10 @@
 """Repeated blocks as opaque calls: trace each distinct block once, not once per layer.
 
-A transformer's layers are the children of one ``nn.ModuleList``: the same code, the same
-parameter shapes. While the model is exported, every such block is called through
-``torch.ops.fxpar.block(site, tensors)``, an op whose output shapes are known from one fake run
-of the block, so the export and the joint graph of the whole model cost a few nodes per layer.
+A transformer's layers are the children of one ``nn.ModuleList`` (``nn.Sequential``, or torchtitan's
+``nn.ModuleDict`` keyed by layer number): the same code, the same parameter shapes. While the model is
+exported, every such block is called through ``torch.ops.fxpar.block(site, tensors)``, an op whose output
+shapes are known from one fake run of the block, so the export and the joint graph of the whole model cost a
+few nodes per layer.
 ``fxpar.stitch`` then traces each distinct block once and copies its joint graph in at every
 call. What makes two calls the same (a ``Site``'s key):
 
@@ -42,6 +43,9 @@ from fxpar.mixed_precision import raw_parameter
 from fxpar.not_shared import NotShared
 from fxpar.taken_off import BlockState
 
+# the containers whose children are a model's repeated blocks (layers): torchtitan keeps its layers in a ModuleDict
+# keyed "0", "1", ... so that a pipeline stage can drop layers and keep every path
+BLOCK_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 SHARING_ENV = "FXPAR_SHARING"  # "0": trace every layer (the escape hatch; the programs must be byte-identical)
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
@@ -158,12 +162,12 @@ def _forget(sites: dict[int, Site]) -> None:
 
 
 def find_blocks(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> dict[str, torch.nn.Module]:
-    """The modules that may be traced once: children of an ``nn.ModuleList``/``nn.Sequential`` with a sibling of the
+    """The modules that may be traced once: children of a ``BLOCK_CONTAINERS`` container with a sibling of the
     same structure, not nested in another such block, holding no parameter another block holds, with no hooks.
     ``exclude``: module paths inside which something must stay visible (a pipeline stage starting there)."""
     found: dict[str, torch.nn.Module] = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
+        if not isinstance(mod, BLOCK_CONTAINERS):
             continue
         if any(name == p or name.startswith(p + ".") for p in found):
             continue

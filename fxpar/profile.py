@@ -110,8 +110,12 @@ def _truncated(model: torch.nn.Module, blocks: list[str], k: int) -> torch.nn.Mo
         holder._modules[name] = child
         holder = child
     listed = holder._modules[parts[-1]] if parts else root
-    kept = type(listed)(*list(listed.children())[:k]) if isinstance(listed, torch.nn.Sequential) \
-        else torch.nn.ModuleList(list(listed.children())[:k])
+    if isinstance(listed, torch.nn.ModuleDict):
+        kept = torch.nn.ModuleDict(list(listed.items())[:k])
+    elif isinstance(listed, torch.nn.Sequential):
+        kept = type(listed)(*list(listed.children())[:k])
+    else:
+        kept = torch.nn.ModuleList(list(listed.children())[:k])
     if not parts:
         return kept
     holder._modules[parts[-1]] = kept

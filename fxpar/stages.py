@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpar.blocks import BLOCK_CONTAINERS
 from fxpar.capture import _clean_module_path
 from fxpar.errors import PlanError, close_matches
 from fxpar.ir import graph_module
@@ -127,13 +128,13 @@ def node_cost(n: fx.Node) -> float:
 
 
 def block_paths(model: torch.nn.Module) -> list[str]:
-    """Module paths of the repeated blocks: the children of the ModuleList/Sequential with the most structurally
-    identical children (same class and parameter shapes; ``model.layers`` rather than a block's own
+    """Module paths of the repeated blocks: the children of the ``BLOCK_CONTAINERS`` container with the most
+    structurally identical children (same class and parameter shapes; ``model.layers`` rather than a block's own
     ``Sequential(Linear, GELU, Linear)``); on a tie, one whose children are all alike, then the longest."""
     best: list[str] = []
     best_key = (0, False, 0)
     for name, mod in model.named_modules():
-        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) and len(mod):
+        if isinstance(mod, BLOCK_CONTAINERS) and len(mod):
             alike = _most_alike(mod)
             key = (alike, alike == len(mod), len(mod))
             if key > best_key:
@@ -167,8 +168,8 @@ def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,
     if n_stages > max(len(blocks), 1):
         found = (f"the {len(blocks)} splittable blocks of {type(model).__name__} ({', '.join(blocks[:3])}"
                  f"{', ...' if len(blocks) > 3 else ''})" if blocks else
-                 f"the splittable blocks of {type(model).__name__}: it has no nn.ModuleList or nn.Sequential of "
-                 "repeated blocks (a block applied several times is one module)")
+                 f"the splittable blocks of {type(model).__name__}: it has no nn.ModuleList, nn.Sequential or "
+                 "nn.ModuleDict of repeated blocks (a block applied several times is one module)")
         raise PlanError(f"stages={n_stages} is more than {found}; use fewer stages, or name the modules that start "
                         "each stage (Plan(stages=[...]))")
     stage = assign_stages(gm.graph, blocks[1:])

@@ -6,6 +6,7 @@ import torch
 
 import fxpar
 from fxpar.testing import assert_equivalent
+from fxpar.testing.titan_llama import TITAN_TP, titan_llama, token_cross_entropy
 from fxpar.testing.user_models import residual_stack, segmentation_net, stacked_lstm, temporal_conv
 
 
@@ -49,3 +50,21 @@ def test_a_segmentation_net_keeps_its_batch_sharded_and_matches_single_device() 
         line for line in pm.program(0).splitlines() if "aten._unsafe_index.Tensor" in line)
     assert_equivalent(segmentation_net, {"dp": 2}, fxpar.Plan(zero=3), (images,), steps=3,
                       loss_fn=torch.nn.functional.cross_entropy, targets=labels)
+
+
+def test_a_torchtitan_llama_with_layers_in_a_module_dict_splits_into_stages_and_matches() -> None:
+    """torchtitan's Llama keeps its layers in an ``nn.ModuleDict`` (``layers.0`` ..) and rotates q and k as complex
+    numbers. The ModuleDict's children are the repeated blocks: traced once (one distinct capture for 4 layers),
+    split into cost-balanced pipeline stages (stages=2 was a PlanError: "no nn.ModuleList or nn.Sequential"), and
+    the complex rotary embedding keeps heads sharded over tp. pp=2 x tp=2 with 2 microbatches matches the single
+    device (fp32, rtol 1e-5)."""
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    loss = token_cross_entropy
+    plan = fxpar.Plan(tp=TITAN_TP, stages=2, microbatches=2)
+    pm = fxpar.parallelize(titan_llama(), fxpar.Mesh({"pp": 2, "tp": 2}, fake=True), (tokens,), plan=plan,
+                           loss_fn=loss, example_targets=tokens)
+    assert "# holds   tok_embeddings, layers.0-1" in pm.program(0)
+    assert "# holds   layers.2-3, norm, output" in pm.program(2)
+    assert pm._compiled.stages[0].notes["captures"].distinct == 1
+    assert {r.axis for r in pm.ledger(0)} == {"tp", "pp"}
+    assert_equivalent(titan_llama, {"pp": 2, "tp": 2}, plan, (tokens,), steps=3, loss_fn=loss, targets=tokens)
