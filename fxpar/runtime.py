@@ -53,7 +53,7 @@ class _RankStep(torch.autograd.Function):
         n = runner.num_outputs
         ctx.runner, ctx.saved = runner, results[n:]
         ctx.n_inputs = len(flat)
-        ctx.out_like = [o.detach() for o in results[:n]]
+        ctx.out_like = [o.detach() if isinstance(o, torch.Tensor) else o for o in results[:n]]
         return tuple(results[:n])
 
     @staticmethod

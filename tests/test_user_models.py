@@ -7,7 +7,14 @@ import torch
 import fxpar
 from fxpar.testing import assert_equivalent
 from fxpar.testing.titan_llama import TITAN_TP, titan_llama, token_cross_entropy
-from fxpar.testing.user_models import residual_stack, segmentation_net, stacked_lstm, temporal_conv
+from fxpar.testing.user_models import (
+    logits_square,
+    optional_loss,
+    residual_stack,
+    segmentation_net,
+    stacked_lstm,
+    temporal_conv,
+)
 
 
 def test_stacked_lstm_matches_single_device() -> None:
@@ -68,3 +75,12 @@ def test_a_torchtitan_llama_with_layers_in_a_module_dict_splits_into_stages_and_
     assert pm._compiled.stages[0].notes["captures"].distinct == 1
     assert {r.axis for r in pm.ledger(0)} == {"tp", "pp"}
     assert_equivalent(titan_llama, {"pp": 2, "tp": 2}, plan, (tokens,), steps=3, loss_fn=loss, targets=tokens)
+
+
+def test_a_model_returning_none_beside_its_logits_compiles_and_matches() -> None:
+    """nanoGPT's ``return logits, loss`` with ``loss = None`` when no targets are passed: the ``None`` output crashed
+    lowering (``KeyError: None`` in the forward/backward split). It is returned as ``None``; dp=2 ``pm(x)`` and
+    ``pm.step`` with 2 microbatches match the single device (fp32, rtol 1e-5)."""
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    assert_equivalent(optional_loss, {"dp": 2}, None, (x,), steps=2)
+    assert_equivalent(optional_loss, {"dp": 2}, fxpar.Plan(microbatches=2), (x,), steps=2, loss_fn=logits_square)

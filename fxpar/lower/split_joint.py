@@ -53,7 +53,7 @@ def split_joint(joint: fx.GraphModule, num_outputs: int, root: torch.nn.Module, 
         else:
             benv[n] = copy_node(bwd_g, n, bwd_arg)
     # tangents first in the backward signature: move saved placeholders before them by order of use
-    fwd_g.output((*[fenv[o] for o in outs[:num_outputs]], *[fenv[s] for s in saved]))
+    fwd_g.output((*[None if o is None else fenv[o] for o in outs[:num_outputs]], *[fenv[s] for s in saved]))
     bwd_g.output(tuple(None if o is None else (benv[o] if o in benv else bwd_arg(o)) for o in outs[num_outputs:]))
     _placeholders_first(bwd_g)
     return graph_module(root, fwd_g), graph_module(root, bwd_g), [s.name for s in saved]

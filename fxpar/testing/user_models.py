@@ -5,6 +5,8 @@ Module-level so that spawned gloo ranks can unpickle them; they import nothing f
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -253,3 +255,25 @@ class SegmentationNet(nn.Module):
 
 def segmentation_net() -> SegmentationNet:
     return SegmentationNet()
+
+
+class OptionalLoss(nn.Module):
+    """nanoGPT's contract: ``forward(x, targets=None)`` returns ``(logits, loss)``, ``loss`` None without targets."""
+
+    def __init__(self, width: int = 12, classes: int = 5) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, 32), nn.GELU(), nn.Linear(32, classes))
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        logits = self.body(x)
+        loss = None if targets is None else nn.functional.cross_entropy(logits, targets)
+        return logits, loss
+
+
+def optional_loss() -> OptionalLoss:
+    return OptionalLoss()
+
+
+def logits_square(out: tuple[torch.Tensor, Any], targets: Any = None) -> torch.Tensor:
+    """A loss on the logits of ``(logits, loss)`` outputs."""
+    return out[0].square().mean()
