@@ -297,3 +297,18 @@ def test_interpolations_index_ops_keep_batch_and_channels_sharded_on_real_shards
         check_candidate(aten._unsafe_index_put.default, put, {}, cand, 2)
     apart = (x, [None, rows.squeeze(-1)[:5], None, cols[:5]])  # indexed dims not adjacent: result dims move first
     assert {c.output for c in candidates(aten._unsafe_index.Tensor, apart, {}, [Replicate()] * 3, 2)} == {Replicate()}
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no weight or bias"])
+def test_eval_mode_batch_norm_keeps_any_dim_sharded_on_real_shards(affine: bool) -> None:
+    """BatchNorm with running statistics (eval mode, or frozen) is a per-channel affine map: the batch and spatial
+    dims shard with the statistics whole, the channel dim with them sharded alike (before: replicated, the
+    dp-sharded input all-gathered)."""
+    op = aten._native_batch_norm_legit_no_training.default
+    weight, bias = (torch.randn(6), torch.randn(6)) if affine else (None, None)
+    args = (torch.randn(4, 6, 5, 5), weight, bias, torch.randn(6), torch.rand(6) + 0.5, 0.1, 1e-5)
+    n_tensors = 5 if affine else 3
+    found = candidates(op, args, {}, [Replicate()] * n_tensors, 2)
+    assert {c.output[0] for c in found} == {Replicate(), Shard(0), Shard(1), Shard(2), Shard(3)}
+    for cand in found:
+        check_candidate(op, args, {}, cand, 2)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.global_means import MEAN
-from fxpar.rules import attention, bmm4, copies, index, scaled_mm, token_matmul  # noqa: F401  (each registers its rules)
+from fxpar.rules import attention, bmm4, copies, index, norms, scaled_mm, token_matmul  # noqa: F401  (each registers its rules)
 from fxpar.rules.dtensor_adapter import dtensor_candidates
 from fxpar.rules.registry import FXPAR_RULES, Candidate, Output, RuleFn, _memoized, register
 
