@@ -48,7 +48,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     with one_call(model):  # a plan search and the final compile capture the model once
         plan = resolve_plan_arg(plan, model, mesh, example_inputs, cluster, loss_fn)
         compiled = compile_program(model, mesh, example_inputs, plan, loss_fn=loss_fn)
-    pm = ParallelModule(compiled, model, rank, loss_fn=loss_fn)
+    pm = ParallelModule(compiled, model, rank, loss_fn=loss_fn, example_inputs=example_inputs)
     pm.proof = verify(pm)  # what the collective-order proof checked (ranks, roles, groups, events)
     return pm
 

@@ -97,7 +97,8 @@ def reused(model: torch.nn.Module, what: Hashable, mesh: Mesh, inputs: Any, para
     scope = _ACTIVE.get()
     if scope is None or scope.model is not model:
         return build()
-    return scope.memo._get_or_build((scope.key, what, capture_key(mesh, inputs, param_dtype)), build)
+    modes = tuple(m.training for m in model.modules())  # a module's mode changes its graph (``fxpar.modes``)
+    return scope.memo._get_or_build((scope.key, what, modes, capture_key(mesh, inputs, param_dtype)), build)
 
 
 def capture_key(mesh: Mesh, inputs: Any, param_dtype: torch.dtype | None) -> Hashable:

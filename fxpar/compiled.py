@@ -74,6 +74,7 @@ class Compiled:
     input_keys: tuple[str, ...] = ()  # with keyword inputs: the tensor ones, in the order the program takes them
     timings: dict[str, float] = field(default_factory=dict)
     constants: dict[Any, Any] = field(default_factory=dict)  # non-tensor inputs (by name or position), baked in
+    training: bool = True  # the mode the model's root module was in when captured (``fxpar.modes``)
     sent_backward_halves: bool = field(default_factory=lambda: os.environ.get(HALVES_ENV, "1") != "0")
     _lowered: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # backward halves, lazily
     _roles: Roles | None = field(default=None, repr=False, compare=False)  # rank programs by role, lowered lazily
@@ -187,7 +188,8 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
     programs = [resolve_recompute_budget(p) for p in programs]  # a byte budget is measured on a lowered program
     if plan.recompute is not None and not isinstance(plan.recompute, str):
         timings["recompute_budget"] = time.perf_counter() - start
-    return Compiled(mesh, resolved, programs, schedule, m, n_user, kind, out_spec, keys, timings, constants)
+    return Compiled(mesh, resolved, programs, schedule, m, n_user, kind, out_spec, keys, timings, constants,
+                    training=user_model.training)
 
 
 def _is_tensor(x: Any) -> bool:

@@ -152,14 +152,8 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
     parameter as its dp shard); return its buffers and bound stage runners per stage, its tied-weight groups and
     its pipeline group (``None`` without stages)."""
     mesh = compiled.mesh
-    dm = mesh.device_mesh()
-    pmesh = param_mesh(mesh, dm)
-    on_cuda = mesh.device == "cuda"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    pmesh = param_mesh(mesh, mesh.device_mesh())
     state = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    stage_buffers: dict[int, list[torch.Tensor]] = {}
-    runners: dict[int, StageRunner] = {}
     for s in compiled.stage_of_rank(rank):
         prog = compiled.stages[s]
         for fqn, name in prog.signature.params:
@@ -168,17 +162,49 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
             p = state[fqn]
             if p.is_meta:
                 raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
-            dt = distribute_tensor(p.detach().to(device), pmesh, param_placements(prog, fqn, name))
+            dt = distribute_tensor(p.detach().to(_device(mesh)), pmesh, param_placements(prog, fqn, name))
             register_param(root, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
+    stage_buffers, runners = bind_runners(root, compiled, dict(model.named_buffers()), rank)
+    pp_group = mesh.device_mesh().get_group("pp") if mesh.axes.get("pp", 1) > 1 else None
+    return stage_buffers, runners, _tie_groups(compiled, rank), pp_group
+
+
+def bind_runners(root: torch.nn.Module, compiled: Compiled, buffers: dict[str, torch.Tensor], rank: int
+                 ) -> tuple[dict[int, list[torch.Tensor]], dict[int, StageRunner]]:
+    """``rank``'s buffers and bound stage runners per stage of ``compiled``, over the parameters registered on
+    ``root`` (a second program of the same model, ``fxpar.modes``, must store each one as the first does)."""
+    mesh = compiled.mesh
+    dm = mesh.device_mesh()
+    stage_buffers: dict[int, list[torch.Tensor]] = {}
+    runners: dict[int, StageRunner] = {}
+    for s in compiled.stage_of_rank(rank):
+        _check_stored_alike(root, compiled.stages[s])
         spec = stage_spec(compiled, rank, s)
-        stage_buffers[s] = stage_buffer_values(root, spec, buffers, device)
+        stage_buffers[s] = stage_buffer_values(root, spec, buffers, _device(mesh))
         rp = compiled.rank_program(rank, s)
         names = {sym: group_name(dm, sym) for sym in rp.groups}
         runners[s] = StageRunner(spec, bound_graphs(compiled, rank, s, names))
     if draws_random([prog.graph for prog in compiled.stages]):  # every rank decides alike: the global programs
         sync_generators(mesh.device)  # copies of a random value must agree on every rank (fxpar.random_draws)
-    pp_group = dm.get_group("pp") if mesh.axes.get("pp", 1) > 1 else None
-    return stage_buffers, runners, _tie_groups(compiled, rank), pp_group
+    return stage_buffers, runners
+
+
+def _device(mesh: Mesh) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device == "cuda" else torch.device("cpu")
+
+
+def _check_stored_alike(root: torch.nn.Module, prog: Program) -> None:
+    """Every parameter ``prog`` reads is registered on ``root`` with the placements ``prog`` stores it in."""
+    for fqn, name in prog.signature.params:
+        if not _has_path(root, fqn):
+            raise RuntimeError(f"parameter {fqn!r} is not held by this rank's module: the program was compiled with "
+                               "another pipeline split than the one its parameters were placed by")
+        p = root.get_parameter(fqn)
+        wanted = tuple(param_placements(prog, fqn, name))
+        if isinstance(p, DTensor) and tuple(p.placements) != wanted:
+            raise RuntimeError(f"parameter {fqn!r} is stored as {tuple(p.placements)} but this program reads it as "
+                               f"{wanted}: the two programs of one module (fxpar.modes: training and evaluation) "
+                               "must place each parameter alike")
 
 
 def bound_graphs(compiled: Compiled, rank: int, stage: int, names: dict[str, str]) -> dict[str, Any]:

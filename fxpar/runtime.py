@@ -28,13 +28,15 @@ from fxpar.lower import LedgerRow, RankProgram
 from fxpar.memory import Memory
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
-from fxpar.params import RankParameters, materialize
+from fxpar.modes import ModeRun, ModeSource, compile_in_mode
+from fxpar.params import RankParameters, bind_runners, materialize
 from fxpar.plan import Plan
 from fxpar.printer import ledger_table, print_rank_programs
 from fxpar.rank_spec import rank_spec
 from fxpar.rank_step import StepEvent, rank_step, step_ledger
 from fxpar.schedules import Schedule
 from fxpar.stages import stage_costs
+from fxpar.verify import verify
 
 
 class _RankStep(torch.autograd.Function):
@@ -95,7 +97,7 @@ class ParallelModule(RankParameters):
     """
 
     def __init__(self, compiled: Compiled, model: torch.nn.Module | None, rank: int | None,
-                 loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[..., torch.Tensor] | None = None, *, example_inputs: Any = None) -> None:
         super().__init__()
         self._compiled = compiled
         self._loss_fn = loss_fn
@@ -112,6 +114,12 @@ class ParallelModule(RankParameters):
         if rank is not None and model is not None:
             self._materialize(model)
             self._save_sources.buffers.update(self.named_buffers())  # written buffers: this module's copies
+        # pm.train() / pm.eval(): the program of each mode (fxpar.modes); the model's own mode is the compiled one
+        self.training = compiled.training
+        self._source = ModeSource(model, example_inputs, loss_fn) \
+            if model is not None and example_inputs is not None else None
+        self._modes: dict[bool, ModeRun] = {}
+        self.proof: Any = None
 
     # -- inspection --------------------------------------------------------------------------
     @property
@@ -209,6 +217,47 @@ class ParallelModule(RankParameters):
         """
         return save_programs(self._compiled, folder, self._save_sources)
 
+    # -- modes ------------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> ParallelModule:
+        """Run the program compiled in ``mode``: ``pm.eval()`` the model as ``model.eval()`` runs it (compiled on
+        the first switch, every module in eval mode), ``pm.train()`` the program compiled first (``fxpar.modes``).
+        Call it on every rank, as the step itself."""
+        super().train(mode)
+        if "_modes" in self.__dict__:  # not while ``nn.Module`` sets itself up
+            self._switch_to(mode)
+        return self
+
+    def _switch_to(self, mode: bool) -> None:
+        current = self._compiled.training
+        if mode == current:
+            return
+        self._modes[current] = ModeRun(self._compiled, self._stage_buffers, self._runners, self._executor,
+                                       self._inputs, self.proof)
+        run = self._modes.get(mode) or self._compile_mode(mode)
+        self._compiled, self._stage_buffers, self._runners = run.compiled, run.stage_buffers, run.runners
+        self._executor, self._inputs, self.proof = run.executor, run.inputs, run.proof
+
+    def _compile_mode(self, mode: bool) -> ModeRun:
+        source = self._source
+        if source is None:
+            raise RuntimeError(f"this ParallelModule holds only the program compiled in {_mode_name(not mode)} mode "
+                               f"and cannot compile the {_mode_name(mode)} one: build it with fxpar.parallelize "
+                               "(or pass example_inputs= with the model), or compile the model in the mode you run")
+        compiled = compile_in_mode(source, self._compiled, mode)
+        stage_buffers: dict[int, list[torch.Tensor]] = {}
+        runners: dict[int, Any] = {}
+        if self._rank is not None:
+            buffers = {**dict(source.model.named_buffers()), **dict(self.named_buffers())}  # trained statistics
+            stage_buffers, runners = bind_runners(self, compiled, buffers, self._rank)
+        run = ModeRun(compiled, stage_buffers, runners, None, InputCheck(compiled, self._rank), None)
+        held = self._compiled
+        self._compiled = compiled  # ``verify`` reads the module's program
+        try:
+            run.proof = verify(self)
+        finally:
+            self._compiled = held
+        return run
+
     # -- execution ----------------------------------------------------------------------------
     def _materialize(self, model: torch.nn.Module) -> None:
         """This rank's parameters as DTensors (registered under their model paths), its buffers and bound graphs."""
@@ -275,3 +324,7 @@ class ParallelModule(RankParameters):
             self._executor = StepExecutor(self, self._runners, rank_step(c, self._rank), rank_spec(c, self._rank),
                                           structured_loss(self._loss_fn, c.out_spec), dict(self._tie_groups))
         return self._executor
+
+
+def _mode_name(training: bool) -> str:
+    return "training" if training else "evaluation"

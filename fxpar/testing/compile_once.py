@@ -53,6 +53,6 @@ def parallelize_once(model_fn: Callable[[], torch.nn.Module], mesh: fxpar.Mesh, 
     model = model_fn()
     inputs = inputs if isinstance(inputs, (tuple, dict)) else (inputs,)
     pm = fxpar.ParallelModule(compile_once(model, mesh, inputs, plan, loss_fn, model_fn), model, dist.get_rank(),
-                              loss_fn=loss_fn)
+                              loss_fn=loss_fn, example_inputs=inputs)
     pm.proof = fxpar.verify(pm)
     return pm

@@ -235,7 +235,7 @@ def _check_rank(case: Case, mesh: fxpar.Mesh, rank: int, reference: torch.nn.Mod
                 model: torch.nn.Module) -> RankReport:
     loss_fn = case.loss_fn or mean_square
     compiled = compile_once(model, mesh, case.inputs, case.plan, loss_fn, case.model_fn)  # on rank 0, sent to all
-    pm = fxpar.ParallelModule(compiled, model, rank, loss_fn=loss_fn)
+    pm = fxpar.ParallelModule(compiled, model, rank, loss_fn=loss_fn, example_inputs=case.inputs)
     fxpar.verify(pm)
     if case.rank_hook is not None:
         case.rank_hook(pm, rank)
