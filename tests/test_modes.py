@@ -14,6 +14,7 @@ import torch
 
 import fxpar
 from fxpar.api import compile_program
+from fxpar.models.hf_families import TP_PLANS
 from fxpar.testing.mode_probes import token_loss, train_evaluate_train
 from fxpar.testing.pool import default_pool
 from fxpar.testing.user_models import gpt2_with_dropout, tiny_resnet
@@ -41,10 +42,12 @@ def test_batch_norm_evaluates_with_the_running_statistics_training_left() -> Non
 
 @pytest.mark.filterwarnings("ignore::fxpar.FxparWarning")
 def test_dropout_is_off_in_eval_and_on_again_in_training() -> None:
-    """HF GPT-2 with its default dropouts on dp=2: the eval program draws nothing (two eval forwards agree
-    exactly) and equals the single device in eval mode; the training step after it draws the single device's
+    """HF GPT-2 with its default dropouts on dp=2 x tp=2 (Megatron's plan, sequence parallel, ZeRO-3):
+    the eval program draws nothing (two eval forwards agree exactly), stores every parameter as the training
+    program does and equals the single device in eval mode; the training step after it draws the single device's
     masks again."""
-    ranks = default_pool().run(train_evaluate_train, 2, gpt2_with_dropout, {"dp": 2}, None, TOKENS, TOKENS,
+    ranks = default_pool().run(train_evaluate_train, 4, gpt2_with_dropout, {"dp": 2, "tp": 2},
+                               fxpar.Plan(tp=TP_PLANS["gpt2"], sequence_parallel=True, zero=3), TOKENS, TOKENS,
                                token_loss, timeout=240)
     _check(ranks)
 

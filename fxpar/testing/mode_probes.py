@@ -39,10 +39,15 @@ def train_evaluate_train(model_fn: Callable[[], torch.nn.Module], axes: dict[str
     torch.manual_seed(0)
     model = model_fn()
     reference = copy.deepcopy(model)
-    rank, dp = dist.get_rank(), axes.get("dp", 1)
-    pm = fxpar.parallelize(model, fxpar.Mesh(axes), (inputs,), plan=plan, loss_fn=loss_fn)
+    rank, mesh = dist.get_rank(), fxpar.Mesh(axes)
+    pm = fxpar.parallelize(model, mesh, (inputs,), plan=plan, loss_fn=loss_fn)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    share = lambda t: t.chunk(dp)[rank % dp] if "dp" in axes else t  # noqa: E731  (dp is the outer axis here)
+
+    def share(t: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the batch: its dp coordinate's chunk."""
+        if "dp" not in axes:
+            return t
+        return t.chunk(axes["dp"])[mesh.coord(rank)[mesh.axis_index("dp")]]
 
     def train_step() -> None:
         state = torch.get_rng_state()
