@@ -123,25 +123,36 @@ def _owner(root: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
 
 
 def stage_buffer_values(root: torch.nn.Module, st: StageSpec, buffers: dict[str, torch.Tensor],
-                        device: torch.device) -> list[torch.Tensor]:
+                        device: torch.device, non_persistent: frozenset[str] | None = None) -> list[torch.Tensor]:
     """The buffers a stage's forward takes (``st.buffer_fqns``), from ``buffers``. One it writes (BatchNorm's
     running statistics) is a copy, registered on ``root`` under its path (``pm.named_buffers()``, ``state_dict``,
     checkpoints; ``fxpar.run``'s too): the user's model is not mutated, and the trained statistics are where the
-    model keeps its own."""
+    model keeps its own. With ``non_persistent`` (the model's buffers kept out of its ``state_dict``) every buffer
+    is such a copy, persistent as in the model: the module's ``state_dict`` then holds what the model's does, and
+    ``pm.load_state_dict`` reaches a buffer the program only reads (a frozen BatchNorm's statistics)."""
     out = []
     for fqn in st.buffer_fqns:
+        held = buffer_at(root, fqn)  # a buffer two stages of this rank read or write is one tensor
+        if held is not None and (non_persistent is not None or fqn in st.written_buffers):
+            out.append(held)
+            continue
         value = buffers[fqn].detach().to(device)
-        if fqn in st.written_buffers:
-            held = buffer_at(root, fqn)  # a buffer two stages of this rank write is one tensor
-            value = held if held is not None else register_buffer(root, fqn, value.clone())
+        if fqn in st.written_buffers or non_persistent is not None:
+            value = register_buffer(root, fqn, value.clone(), persistent=fqn not in (non_persistent or ()))
         out.append(value)
     return out
 
 
-def register_buffer(root: torch.nn.Module, fqn: str, value: torch.Tensor) -> torch.Tensor:
+def non_persistent_buffers(model: torch.nn.Module) -> frozenset[str]:
+    """Paths of ``model``'s buffers that its ``state_dict`` leaves out (``register_buffer(..., persistent=False)``)."""
+    return frozenset(f"{path}.{name}" if path else name for path, m in model.named_modules()
+                     for name in m._non_persistent_buffers_set)
+
+
+def register_buffer(root: torch.nn.Module, fqn: str, value: torch.Tensor, persistent: bool = True) -> torch.Tensor:
     """Register ``value`` as a buffer on ``root`` under the dotted path ``fqn``; return it."""
     mod, leaf = _owner(root, fqn)
-    mod.register_buffer(leaf, value)
+    mod.register_buffer(leaf, value, persistent=persistent)
     return value
 
 
@@ -164,13 +175,14 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
                 raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
             dt = distribute_tensor(p.detach().to(_device(mesh)), pmesh, param_placements(prog, fqn, name))
             register_param(root, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
-    stage_buffers, runners = bind_runners(root, compiled, dict(model.named_buffers()), rank)
+    stage_buffers, runners = bind_runners(root, compiled, dict(model.named_buffers()), rank,
+                                          non_persistent_buffers(model))
     pp_group = mesh.device_mesh().get_group("pp") if mesh.axes.get("pp", 1) > 1 else None
     return stage_buffers, runners, _tie_groups(compiled, rank), pp_group
 
 
-def bind_runners(root: torch.nn.Module, compiled: Compiled, buffers: dict[str, torch.Tensor], rank: int
-                 ) -> tuple[dict[int, list[torch.Tensor]], dict[int, StageRunner]]:
+def bind_runners(root: torch.nn.Module, compiled: Compiled, buffers: dict[str, torch.Tensor], rank: int,
+                 non_persistent: frozenset[str]) -> tuple[dict[int, list[torch.Tensor]], dict[int, StageRunner]]:
     """``rank``'s buffers and bound stage runners per stage of ``compiled``, over the parameters registered on
     ``root`` (a second program of the same model, ``fxpar.modes``, must store each one as the first does)."""
     mesh = compiled.mesh
@@ -180,7 +192,7 @@ def bind_runners(root: torch.nn.Module, compiled: Compiled, buffers: dict[str, t
     for s in compiled.stage_of_rank(rank):
         _check_stored_alike(root, compiled.stages[s])
         spec = stage_spec(compiled, rank, s)
-        stage_buffers[s] = stage_buffer_values(root, spec, buffers, _device(mesh))
+        stage_buffers[s] = stage_buffer_values(root, spec, buffers, _device(mesh), non_persistent)
         rp = compiled.rank_program(rank, s)
         names = {sym: group_name(dm, sym) for sym in rp.groups}
         runners[s] = StageRunner(spec, bound_graphs(compiled, rank, s, names))

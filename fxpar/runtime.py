@@ -7,7 +7,7 @@ No DTensor dispatch happens in the step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
 from fxpar.estimate import Estimate
 from fxpar.estimate import estimate as estimate_step
 from fxpar.executor import LossFn, StageRunner, StepExecutor
+from fxpar.full_state import distributed_state
 from fxpar.grad_sums import cut_from_larger
 from fxpar.input_shapes import InputCheck
 from fxpar.ir import Program
@@ -29,7 +30,7 @@ from fxpar.memory import Memory
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.modes import ModeRun, ModeSource, compile_in_mode
-from fxpar.params import RankParameters, bind_runners, materialize
+from fxpar.params import RankParameters, bind_runners, materialize, non_persistent_buffers
 from fxpar.plan import Plan
 from fxpar.printer import ledger_table, print_rank_programs
 from fxpar.rank_spec import rank_spec
@@ -217,6 +218,14 @@ class ParallelModule(RankParameters):
         """
         return save_programs(self._compiled, folder, self._save_sources)
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, also from a single-device state dict: whole tensors are distributed as each
+        parameter is stored, and the model's entries another pipeline stage holds are skipped
+        (``fxpar.full_state``). Call it on every rank."""
+        model_keys = {*self._save_sources.requires_grad, *self._save_sources.buffers}
+        given = distributed_state(self.state_dict(), state_dict, model_keys)
+        return super().load_state_dict(given, strict=strict, assign=assign)
+
     # -- modes ------------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> ParallelModule:
         """Run the program compiled in ``mode``: ``pm.eval()`` the model as ``model.eval()`` runs it (compiled on
@@ -248,7 +257,8 @@ class ParallelModule(RankParameters):
         runners: dict[int, Any] = {}
         if self._rank is not None:
             buffers = {**dict(source.model.named_buffers()), **dict(self.named_buffers())}  # trained statistics
-            stage_buffers, runners = bind_runners(self, compiled, buffers, self._rank)
+            stage_buffers, runners = bind_runners(self, compiled, buffers, self._rank,
+                                                  non_persistent_buffers(source.model))
         run = ModeRun(compiled, stage_buffers, runners, None, InputCheck(compiled, self._rank), None)
         held = self._compiled
         self._compiled = compiled  # ``verify`` reads the module's program

@@ -15,14 +15,10 @@ import torch
 import fxpar
 from fxpar.api import compile_program
 from fxpar.models.hf_families import TP_PLANS
+from fxpar.testing.batches import IMAGES, LABELS, RTOL, TOKENS
 from fxpar.testing.mode_probes import token_loss, train_evaluate_train
 from fxpar.testing.pool import default_pool
 from fxpar.testing.user_models import gpt2_with_dropout, tiny_resnet
-
-RTOL = 1e-5
-IMAGES = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
-LABELS = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(1))
-TOKENS = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
 
 
 def _check(ranks: list[dict]) -> None:
