@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.grad_sums import GradSums
+from fxpar.loss_watch import IgnoredTargets, warn_uneven_mean
 from fxpar.rank_spec import RankSpec, StageSpec
 from fxpar.rank_step import StepEvent
 
@@ -96,6 +98,7 @@ class StepExecutor:
                  loss_fn: LossFn, tie_groups: dict[str, Any]) -> None:
         self.state, self.runners, self.events, self.spec = state, runners, events, spec
         self.loss_fn, self.tie_groups = loss_fn, tie_groups
+        self.warned_uneven_mean = False  # ``fxpar.loss_watch``: said once per module
         self.rank, self.m = spec.rank, spec.microbatches
         self.recv_meta = spec.recv_meta
 
@@ -176,8 +179,13 @@ class StepExecutor:
     def loss(self, outs: list[torch.Tensor], targets: Any) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         leaves = [o.detach().requires_grad_() if isinstance(o, torch.Tensor) and o.is_floating_point() else o
                   for o in outs]
-        with torch.enable_grad():
+        watch = IgnoredTargets() if self.spec.batch_ranks > 1 and not self.warned_uneven_mean else nullcontext()
+        with torch.enable_grad(), watch:
             loss = self.loss_fn(leaves, targets)
+        if isinstance(watch, IgnoredTargets) and watch.uneven:
+            warn_uneven_mean(self.spec.batch_ranks)
+            self.warned_uneven_mean = True
+        with torch.enable_grad():
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
                 raise ValueError(_not_a_loss(loss))
             (loss / self.m).backward()

@@ -13,6 +13,7 @@ literals (ints, strings, lists, dicts; dtypes by name) and back, which is how ``
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ import torch.fx as fx
 
 from fxpar.buffer_writes import written_buffers
 from fxpar.rank_step import Boundary, Comm, StepEvent, boundary_meta
-from fxpar.split import BATCH_AXIS, batch_weight, splitter
+from fxpar.split import BATCH_AXES, BATCH_AXIS, batch_weight, splitter
 
 if TYPE_CHECKING:
     from fxpar.compiled import Compiled
@@ -62,6 +63,7 @@ class RankSpec:
     loss_divisor: int  # ranks whose losses the world all-reduce sums (world / pp)
     batch_weight: float  # this rank's batch-mean loss weight against 1 / dp (uneven batches)
     stages: dict[int, StageSpec] = field(default_factory=dict)
+    batch_ranks: int = 1  # ranks the batch is split over (dp x ep): the loss is averaged over them
 
 
 def stage_spec(compiled: Compiled, rank: int, stage: int) -> StageSpec:
@@ -106,6 +108,7 @@ def rank_spec(compiled: Compiled, rank: int) -> RankSpec:
         recv_meta={s: boundary_meta(p, coord) for s, p in enumerate(compiled.stages) if s > 0},
         loss_divisor=mesh.size // compiled.pp, batch_weight=weight,
         stages={s: stage_spec(compiled, rank, s) for s in stages},
+        batch_ranks=math.prod(mesh.axes.get(a, 1) for a in BATCH_AXES),
     )
 
 

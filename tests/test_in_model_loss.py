@@ -70,3 +70,20 @@ def test_fused_mean_losses_match_single_device(loss: str) -> None:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(7, 8, generator=g), torch.randn(7, 4, generator=g)
     assert_equivalent(functools.partial(regression_loss, loss), {"dp": 2}, fxpar.Plan(zero=1), (x, y), steps=2)
+
+
+@pytest.mark.parametrize("padded", [3, 0], ids=["padding ignored on rank 0: warned", "nothing ignored: silent"])
+def test_an_eager_loss_that_ignores_targets_warns_once(padded: int) -> None:
+    """An eager ``loss_fn`` averaging over the targets it keeps (cross-entropy's ``ignore_index``) is not a batch
+    mean: dp=2 averages two means over different counts, which the single device does not (the equivalence check
+    fails: loss and gradients off by the uneven counts). ``pm.step`` says so once, on a rank that sees ignored
+    targets (``fxpar.loss_watch``), and stays silent when none are ignored."""
+    from fxpar.testing.pool import default_pool
+    from fxpar.testing.probes import warnings_of_a_padded_loss
+
+    inputs = torch.randn(8, 10, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 5, (8,), generator=torch.Generator().manual_seed(1))
+    targets[:padded] = -100  # rank 0's first targets are padding
+    ranks = default_pool().run(warnings_of_a_padded_loss, 2, inputs, targets, -100, timeout=120)
+    assert [len(messages) for messages in ranks] == ([1, 0] if padded else [0, 0]), ranks
+    assert not padded or "not a batch mean" in ranks[0][0]

@@ -322,3 +322,22 @@ def running_statistics_after_a_step(images: torch.Tensor, labels: torch.Tensor, 
             "counter": int(held["stem.1.num_batches_tracked"]),
             "moved": not torch.equal(held["stem.1.running_var"], before["stem.1.running_var"]),
             "buffers": {name: b.tolist() for name, b in held.items()}}
+
+
+def warnings_of_a_padded_loss(inputs: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> list[str]:
+    """Rank body: one dp=2 ``pm.step`` of a small regression head with an eager cross-entropy ``loss_fn`` whose
+    targets hold ``ignore_index`` unevenly across the ranks; the ``FxparWarning`` messages it raised."""
+    import warnings
+
+    import fxpar
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(inputs.shape[1], 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    loss_fn = functools.partial(torch.nn.functional.cross_entropy, ignore_index=ignore_index)
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2}), (inputs,), loss_fn=loss_fn)
+    rank = dist.get_rank()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm.step(inputs.chunk(2)[rank], targets.chunk(2)[rank])
+        pm.step(inputs.chunk(2)[rank], targets.chunk(2)[rank])
+    return [str(w.message) for w in caught if issubclass(w.category, fxpar.FxparWarning)]
