@@ -27,7 +27,9 @@
 * ``transient``: the largest set of temporaries alive at once inside one forward or backward graph,
   beyond its inputs (liveness over the graph's node order; a view is free; a backward's output cut from a
   larger buffer keeps the rest of it alive until the graph returns);
-* ``peak`` = params + grads + optimizer + activations + transient.
+* ``buffers``: the module's copy of every buffer the rank's stages read (BatchNorm's running statistics, rotary
+  tables; each once), whole, in its dtype (``fxpar.params.stage_buffer_values``);
+* ``peak`` = params + grads + optimizer + activations + transient + buffers.
 """
 
 from __future__ import annotations
@@ -64,15 +66,16 @@ class Memory:
     optimizer: int
     activations: int
     transient: int
+    buffers: int = 0
 
     @property
     def peak(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return self.params + self.grads + self.optimizer + self.activations + self.transient + self.buffers
 
     def __str__(self) -> str:
         rows = [("params", self.params), ("grads", self.grads), ("optimizer (Adam, 2 states)", self.optimizer),
                 ("activations (saved, in flight)", self.activations), ("transient (largest graph)", self.transient),
-                ("peak", self.peak)]
+                ("buffers", self.buffers), ("peak", self.peak)]
         width = max(len(name) for name, _ in rows)
         lines = [f"memory of rank {self.rank} (bytes)"]
         lines += [f"  {name:<{width}}  {value:>14,}  {_mib(value):>10}" for name, value in rows]
@@ -95,8 +98,12 @@ def predict(c: Compiled, rank: int) -> Memory:
     kept: dict[int, _Boundary] = {}
     halves = backward_halves(c, rank)
     transient = 0
+    buffer_bytes: dict[str, int] = {}
     for s in stages:
         prog, rp = c.stages[s], c.rank_program(rank, s)
+        for fqn, name in prog.signature.buffers:
+            val = prog.node(name).meta["val"]
+            buffer_bytes[fqn] = val.numel() * val.element_size()
         placeholders = [n for n in rp.forward.graph.nodes if n.op == "placeholder"]
         trainable = {fqn for fqn, _ in prog.signature.grads}
         for (fqn, name), node in zip(prog.signature.params, placeholders, strict=False):
@@ -121,7 +128,7 @@ def predict(c: Compiled, rank: int) -> Memory:
             backward_end = largest_live_set(rp.backward, output_excess=True) + unreduced
         transient = max(transient, largest_live_set(rp.forward), backward_end)
     return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
-                  _activations_in_flight(c, rank, saved, stash, kept), transient)
+                  _activations_in_flight(c, rank, saved, stash, kept), transient, sum(buffer_bytes.values()))
 
 
 def nbytes(node: fx.Node) -> int:

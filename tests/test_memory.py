@@ -38,7 +38,8 @@ def test_zero0_formula_on_a_fake_mesh() -> None:
         assert (mem.params, mem.grads, mem.optimizer) == (4 * psi, 4 * psi, 8 * psi)
         assert mem.params + mem.grads + mem.optimizer == 16 * psi
         assert mem.activations > 0 and mem.transient > 0
-        assert mem.peak == mem.params + mem.grads + mem.optimizer + mem.activations + mem.transient
+        assert mem.buffers == sum(b.numel() * b.element_size() for b in model.buffers()) > 0  # the rotary tables
+        assert mem.peak == mem.params + mem.grads + mem.optimizer + mem.activations + mem.transient + mem.buffers
     assert "peak" in str(pm.memory(0))
 
 
@@ -55,6 +56,7 @@ def test_prediction_equals_local_storage_after_a_real_step() -> None:
         mem = r["predicted"]
         assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
         assert mem.activations == r["saved_per_microbatch"]  # one microbatch, one set in flight
+        assert mem.buffers == r["buffers"] > 0  # the module's copies of the rotary tables
 
 
 @pytest.mark.parametrize("zero", [1, 3])

@@ -68,6 +68,7 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
     return {"predicted": pm.memory(rank), "params": storage_bytes(params),
             "grads": storage_bytes([_local(p.grad) for p in pm.parameters()]), "optimizer": storage_bytes(state),
             "saved_per_microbatch": saved_bytes, "working_copy": working_copy,
+            "buffers": storage_bytes(list(pm.buffers())),
             "in_flight": pm.schedule.peak_in_flight()[pm._compiled.pp_coord(rank)]}
 
 
