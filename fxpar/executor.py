@@ -79,6 +79,7 @@ class StepState:
     sends: list[Any] = field(default_factory=list)  # sends awaited at wait_sends
     forward_sends: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # awaited at their RECV_B
     loss: torch.Tensor | None = None
+    forward_only: bool = False  # an evaluation step (``forward_events``)
     trace: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -103,18 +104,22 @@ class StepExecutor:
         self.recv_meta = spec.recv_meta
 
     # -- the step ----------------------------------------------------------------------------------
-    def run(self, mb_inputs: list[list[Any]], mb_targets: list[Any], trace: str | None) -> torch.Tensor:
-        st = StepState(grads=GradSums(list(self.runners)))
+    def run(self, mb_inputs: list[list[Any]], mb_targets: list[Any], trace: str | None,
+            forward_only: bool = False) -> torch.Tensor:
+        """One step: every event, or (``forward_only``, an evaluation) only the forwards, their transfers and the
+        loss (``forward_events``): no backward, no gradient."""
+        st = StepState(grads=GradSums(list(self.runners)), forward_only=forward_only)
+        events = forward_events(self.events) if forward_only else self.events
         t0 = time.perf_counter()
         with torch.no_grad():
-            for event in self.events:
+            for event in events:
                 start = time.perf_counter()
                 self.dispatch(event, st, mb_inputs, mb_targets)
                 if trace is not None:
                     st.trace.append({"name": event.label, "ph": "X", "ts": (start - t0) * 1e6,
                                      "dur": (time.perf_counter() - start) * 1e6, "pid": 0, "tid": self.rank,
                                      "cat": event.kind})
-            for fqn, g in self.totals(st).items():
+            for fqn, g in ({} if forward_only else self.totals(st)).items():
                 self.state.add_local_grad(fqn, g)
         if trace is not None:
             write_trace(trace, st.trace, self.rank)
@@ -168,8 +173,12 @@ class StepExecutor:
         user = [inputs[i] for i in r.spec.user_inputs] if r.spec.user_inputs is not None else inputs
         tensors = [x for x in user if isinstance(x, torch.Tensor)]
         results = r.forward(*self.params(r), *self.state.stage_buffers(s), *received, *tensors)
-        outs, st.saved[(s, mb)] = list(results[: r.num_outputs]), list(results[r.num_outputs:])
-        if s == self.spec.n_stages - 1:
+        outs = list(results[: r.num_outputs])
+        if not st.forward_only:  # an evaluation keeps nothing for a backward
+            st.saved[(s, mb)] = list(results[r.num_outputs:])
+        if s == self.spec.n_stages - 1 and st.forward_only:
+            st.losses[mb] = self.loss_value(outs, targets)
+        elif s == self.spec.n_stages - 1:
             st.losses[mb], st.output_grads[mb] = self.loss(outs, targets)
         elif s in self.spec.local_next:
             st.inbox[(s + 1, mb)] = outs  # the next stage is on this rank: hand over locally
@@ -190,6 +199,13 @@ class StepExecutor:
                 raise ValueError(_not_a_loss(loss))
             (loss / self.m).backward()
         return loss.detach(), [x.grad if isinstance(x, torch.Tensor) else None for x in leaves]
+
+    def loss_value(self, outs: list[torch.Tensor], targets: Any) -> torch.Tensor:
+        """The loss of one microbatch, without its gradient (an evaluation step)."""
+        loss = self.loss_fn(outs, targets)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(_not_a_loss(loss))
+        return loss.detach()
 
     def tangents_for(self, s: int, mb: int, st: StepState) -> list[torch.Tensor]:
         r = self.runners[s]
@@ -289,6 +305,17 @@ class StepExecutor:
             value = value * self.spec.batch_weight
         dist.all_reduce(value)
         return value.float()
+
+
+FORWARD_KINDS = frozenset({"gather", "F", "SEND_F", "RECV_F", "wait_sends", "loss"})
+
+
+def forward_events(events: list[StepEvent]) -> list[StepEvent]:
+    """A step's events as an evaluation runs them: the parameter gathers, forwards, their transfers, the wait for
+    the sends and the loss, in the step's order. Sends never block (``isend``), so a rank waits only on the
+    forward receives, which keep the order the full step proved deadlock-free; the groups inside a forward see
+    the same forwards in the same order on every rank."""
+    return [e for e in events if e.kind in FORWARD_KINDS]
 
 
 def write_trace(path: str, events: list[dict[str, Any]], rank: int) -> None:

@@ -297,6 +297,9 @@ class ParallelModule(RankParameters):
     def step(self, *args: Any, trace: str | None = None) -> torch.Tensor:
         """One training step: forward and backward of every microbatch per the schedule; grads in ``p.grad``.
 
+        Under ``torch.no_grad()`` (or ``inference_mode``) it evaluates instead: the forwards and the loss only, no
+        backward and no gradient (a validation step; with ``pm.eval()`` the model runs as ``model.eval()``).
+
         Takes this rank's dp shard of the inputs (as in ``example_inputs``) then the targets, if any.
         Returns the mean loss over microbatches and dp ranks (the single-device loss), on every rank.
         ``trace="step.json"`` writes a Chrome trace (Perfetto) of every rank's actions (from rank 0).
@@ -308,7 +311,7 @@ class ParallelModule(RankParameters):
         mb_inputs = split_microbatches(flat, c.microbatches)
         mb_targets = split_microbatches(targets, c.microbatches) if targets is not None else [None] * c.microbatches
         try:
-            return executor.run(mb_inputs, mb_targets, trace)
+            return executor.run(mb_inputs, mb_targets, trace, forward_only=not torch.is_grad_enabled())
         finally:
             self.release_params()
 

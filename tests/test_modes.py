@@ -9,14 +9,18 @@ another order than the single device's, so bitwise equality is not expected).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 import fxpar
 from fxpar.api import compile_program
 from fxpar.models.hf_families import TP_PLANS
+from fxpar.models.llama import llama
 from fxpar.testing.batches import IMAGES, LABELS, RTOL, TOKENS
-from fxpar.testing.mode_probes import token_loss, train_evaluate_train
+from fxpar.testing.error_models import next_token_loss
+from fxpar.testing.mode_probes import token_loss, train_evaluate_train, validate_between_steps
 from fxpar.testing.pool import default_pool
 from fxpar.testing.user_models import gpt2_with_dropout, tiny_resnet
 
@@ -78,3 +82,15 @@ def test_a_module_without_its_example_inputs_says_it_cannot_switch() -> None:
     pm = fxpar.ParallelModule(compiled, model, None)
     with pytest.raises(RuntimeError, match="only the program compiled in training mode"):
         pm.eval()
+
+
+def test_a_validation_step_under_no_grad_runs_forwards_only_in_a_pipeline() -> None:
+    """``pm.step`` under ``torch.no_grad()`` evaluates: the bundled Llama with dropout on pp=2 x dp=2 (1F1B, 2
+    microbatches) gives the single device's eval-mode loss and leaves no gradient behind (before, it ran the
+    backward too and its gradients joined the next training step's). The training steps around it are not compared
+    with the single device: under pipeline stages dropout draws other numbers (``fxpar.random_draws``)."""
+    plan = fxpar.Plan(stages=2, microbatches=2)
+    ranks = default_pool().run(validate_between_steps, 4, partial(llama, dropout=0.1), {"pp": 2, "dp": 2}, plan, TOKENS,
+                               TOKENS, next_token_loss, timeout=240)
+    for r in ranks:
+        assert r["validation"] <= RTOL and r["grads_untouched"], r

@@ -84,3 +84,44 @@ def token_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of a language model's logits (``_first``) against target tokens."""
     logits = _first(out)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def validate_between_steps(model_fn: Callable[[], torch.nn.Module], axes: dict[str, int], plan: Any,
+                           inputs: torch.Tensor, targets: torch.Tensor,
+                           loss_fn: Callable[..., torch.Tensor]) -> dict[str, Any]:
+    """A training step, then a validation step (``pm.eval()`` and ``pm.step`` under ``no_grad``: forwards and loss
+    only), then a training step again, beside the single device. Returns the validation loss gap, whether the
+    validation left every gradient as it found it (none), and the parameters' gap after the last step."""
+    import fxpar
+
+    torch.manual_seed(0)
+    model = model_fn()
+    reference = copy.deepcopy(model)
+    rank, mesh = dist.get_rank(), fxpar.Mesh(axes)
+    pm = fxpar.parallelize(model, mesh, (inputs,), plan=plan, loss_fn=loss_fn, example_targets=targets)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    dp = axes.get("dp", 1)
+    piece = (lambda t: t.chunk(dp)[mesh.coord(rank)[mesh.axis_index("dp")]]) if dp > 1 else (lambda t: t)
+
+    def train_step() -> None:
+        state = torch.get_rng_state()
+        pm.step(piece(inputs), piece(targets))
+        torch.set_rng_state(state)
+        loss_fn(reference(inputs), targets).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+
+    train_step()
+    pm.eval()
+    reference.eval()
+    with torch.no_grad():
+        validation = pm.step(piece(inputs), piece(targets))
+        expected = loss_fn(reference(inputs), targets)
+    untouched = all(p.grad is None for p in pm.parameters())
+    pm.train()
+    reference.train()
+    train_step()
+    ref_params = dict(reference.named_parameters())
+    params = max(_gap(p.full_tensor(), ref_params[name]) for name, p in pm.named_parameters())
+    return {"validation": _gap(validation, expected), "grads_untouched": untouched, "params": params}
