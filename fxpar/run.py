@@ -9,7 +9,8 @@ Data: ``--data PATH`` is a flat file of token ids (nanoGPT's ``train.bin``), rea
 ``--dtype``; step ``i`` takes the ``i``-th consecutive run of ``B x (S + 1)`` tokens (wrapping around at the
 end of the file) as ``B`` rows, inputs the first ``S`` of each row and targets the next ``S``; each rank
 takes its dp (and ep) piece of the rows. ``--synthetic`` draws seeded random ids instead. Rank 0 prints
-``step <i> loss <value>`` per step (the value as Python prints the float, every digit). ``--save CKPT2``
+``step <i> loss <value>`` per step (the value as Python prints the float, every digit). ``--clip-grad-norm MAX``
+clips the model's gradient norm before each optimizer step, as ``pm.clip_grad_norm_``. ``--save CKPT2``
 writes the trained weights and optimizer state back. It imports neither the model's code nor ``transformers``.
 
 Bad input (another fxpar version, another world size, a short data file, a checkpoint of another model) is
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar import checkpoint
+from fxpar.clip import clip_grad_norm_
 from fxpar.compiled import split_microbatches
 from fxpar.errors import CheckpointError, SavedProgramError
 from fxpar.saved import SavedRank, load_rank, manifest_mesh, read_manifest
@@ -47,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="uint16", help="numpy dtype of the token file (default uint16)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of --synthetic data (default 0)")
+    p.add_argument("--clip-grad-norm", type=float, metavar="MAX",
+                   help="clip the whole model's gradient norm to MAX before each optimizer step (pm.clip_grad_norm_)")
     p.add_argument("--save", help="write the trained weights and optimizer state here")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: the device the folder was compiled for")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective gives up")
@@ -117,23 +121,26 @@ def train(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
     losses = train_saved(saved, manifest, device, args.checkpoint, args.steps, batches, args.lr, args.save,
-                         log=rank == 0)
+                         log=rank == 0, clip=args.clip_grad_norm)
     assert len(losses) == args.steps
 
 
 def train_saved(saved: SavedRank, manifest: dict[str, Any], device: str, checkpoint_path: str, steps: int,
                 batches: Callable[[int], torch.Tensor], lr: float = 1e-3, save: str | None = None,
-                log: bool = False) -> list[float]:
+                log: bool = False, clip: float | None = None) -> list[float]:
     """Train a loaded rank for ``steps`` steps (the process group exists); return the step losses.
 
     Loads the checkpoint (its optimizer state too, if it has one), runs each step's saved events on this rank's
-    piece of ``batches(step)`` (global ``B x (S + 1)`` ids), steps AdamW, and saves to ``save`` at the end.
+    piece of ``batches(step)`` (global ``B x (S + 1)`` ids), clips the model's gradient norm to ``clip`` (as
+    ``pm.clip_grad_norm_``: over the pipeline's stages, a tied weight counted once), steps AdamW, and saves to
+    ``save`` at the end.
     """
     mesh = manifest_mesh(manifest, device)
     rank, m = saved.rank, manifest["microbatches"]
     state, executor = saved.build(mesh, manifest)
     optimizer = torch.optim.AdamW(state.parameters(), lr=lr)
     checkpoint.load(state, optimizer if checkpoint.has_optimizer(checkpoint_path) else None, checkpoint_path)
+    clip_step = _clipper(state, manifest, mesh, rank, clip) if clip is not None else None
     losses = []
     for step in range(steps):
         tokens = batches(step).to(_device(device))
@@ -142,6 +149,8 @@ def train_saved(saved: SavedRank, manifest: dict[str, Any], device: str, checkpo
             loss = executor.run(split_microbatches([inputs], m), split_microbatches(targets, m), None)
         finally:
             state.release_params()
+        if clip_step is not None:
+            clip_step()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -150,6 +159,14 @@ def train_saved(saved: SavedRank, manifest: dict[str, Any], device: str, checkpo
     if save:
         checkpoint.save(state, optimizer, save)
     return losses
+
+
+def _clipper(state: Any, manifest: dict[str, Any], mesh: Any, rank: int, max_norm: float) -> Callable[[], Any]:
+    """What ``pm.clip_grad_norm_(max_norm)`` does, for a rank loaded from a saved folder: the norm summed over the
+    pipeline group, a weight tied across stages counted by the first rank of its tie group (``fxpar.clip``)."""
+    elsewhere = [state.param(fqn) for fqn, ranks in manifest["tie_groups"] if rank in ranks and ranks[0] != rank]
+    pp_group = mesh.device_mesh().get_group("pp") if mesh.axes.get("pp", 1) > 1 else None
+    return lambda: clip_grad_norm_(state.parameters(), max_norm, pp_group=pp_group, counted_elsewhere=elsewhere)
 
 
 def _device(name: str) -> torch.device:

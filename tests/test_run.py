@@ -124,6 +124,22 @@ def test_every_plan_kind_trains_from_its_saved_folder_bitwise(case: str, tmp_pat
     assert not different, f"weights differ after {STEPS} steps: {different[:5]}"
 
 
+def test_clipped_training_replays_bitwise_with_a_weight_tied_across_stages(tmp_path: os.PathLike) -> None:
+    """``fxpar.run --clip-grad-norm`` clips as ``pm.clip_grad_norm_`` does: GPT-2 (embedding and head tied, on the
+    two pipeline stages) on pp2 x dp2, clipped hard (to 1e-3) every step, trains bitwise alike from its saved folder
+    (an unclipped replay would not)."""
+    args = fxpar_run.parse_args(["prog", "--checkpoint", "c", "--steps", "1", "--synthetic", "--clip-grad-norm", "1"])
+    assert args.clip_grad_norm == 1.0
+    data = os.path.join(str(tmp_path), "tokens.bin")
+    write_tokens(data, ROWS * (SEQ + 1) * STEPS, vocab=128)
+    plan = fxpar.Plan(microbatches=2, schedule="1f1b")
+    results = default_pool().run(partial(train_both, clip=1e-3), 4, GPT2, {"pp": 2, "dp": 2}, plan,
+                                 f"{tmp_path}/prog", data, ROWS, SEQ, STEPS, timeout=300)
+    in_process, replayed, different = results[0]
+    assert replayed == in_process
+    assert not different, f"weights differ after {STEPS} steps: {different[:5]}"
+
+
 def _fake_save(folder: str, axes: dict[str, int], plan: fxpar.Plan, build: object = LLAMA) -> fxpar.ParallelModule:
     torch.manual_seed(0)
     model = build()

@@ -51,8 +51,9 @@ def token_batch(path: str, step: int, rows: int, seq: int, dtype: str = "uint16"
 
 def train_in_process(build: Callable[[], torch.nn.Module], axes: dict[str, int], plan: fxpar.Plan, folder: str,
                      init_ckpt: str, final_ckpt: str, data: str, rows: int, seq: int, steps: int,
-                     lr: float = 1e-3) -> list[float]:
-    """On each pool rank: compile, save folder and initial weights, train ``steps`` steps; rank 0's losses."""
+                     lr: float = 1e-3, clip: float | None = None) -> list[float]:
+    """On each pool rank: compile, save folder and initial weights, train ``steps`` steps (clipping the gradient
+    norm to ``clip`` with ``pm.clip_grad_norm_`` if given); rank 0's losses."""
     torch.manual_seed(0)
     model = build()
     mesh = fxpar.Mesh(axes)
@@ -67,6 +68,8 @@ def train_in_process(build: Callable[[], torch.nn.Module], axes: dict[str, int],
     for step in range(steps):
         tokens = token_batch(data, step, rows, seq)
         loss = pm.step(rank_batch(tokens[:, :-1], mesh, rank), rank_batch(tokens[:, 1:], mesh, rank))
+        if clip is not None:
+            pm.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -76,17 +79,17 @@ def train_in_process(build: Callable[[], torch.nn.Module], axes: dict[str, int],
 
 
 def train_both(build: Callable[[], torch.nn.Module], axes: dict[str, int], plan: fxpar.Plan, folder: str,
-               data: str, rows: int, seq: int, steps: int, lr: float = 1e-3
+               data: str, rows: int, seq: int, steps: int, lr: float = 1e-3, clip: float | None = None
                ) -> tuple[list[float], list[float], list[str]]:
     """On each pool rank: ``train_in_process``, then the same steps from the saved folder with ``fxpar.run``'s
     training loop (``train_saved``) in the same process group. Returns both losses and the parameters whose
     local shards differ after training (compared bitwise)."""
     losses = train_in_process(build, axes, plan, folder, f"{folder}.init", f"{folder}.trained", data, rows, seq,
-                              steps, lr)
+                              steps, lr, clip)
     manifest = read_manifest(folder)
     saved = load_rank(folder, manifest, dist.get_rank())
     replayed = train_saved(saved, manifest, "cpu", f"{folder}.init", steps,
-                           lambda step: token_batch(data, step, rows, seq), lr, save=f"{folder}.replayed")
+                           lambda step: token_batch(data, step, rows, seq), lr, save=f"{folder}.replayed", clip=clip)
     dist.barrier()
     want, got = read_checkpoint(f"{folder}.trained"), read_checkpoint(f"{folder}.replayed")
     different = sorted(k for k in want if k not in got or not torch.equal(want[k], got[k]))
