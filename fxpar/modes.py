@@ -17,6 +17,7 @@ one's plan exactly, pipeline split points included, and refuses to run if it wou
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,14 +29,24 @@ from fxpar.compiled import Compiled, compile_model
 from fxpar.plan import Plan
 
 
-@dataclass
 class ModeSource:
     """What compiling the model in another mode needs: the user's model (read, never left in another mode), and
-    the example inputs and loss it was compiled with."""
+    the example inputs and loss it was compiled with. The model is held weakly: a ``ParallelModule`` must not keep
+    a whole unsharded copy of the weights alive after the user drops it (``del model`` frees it as before)."""
 
-    model: torch.nn.Module
-    example_inputs: Any
-    loss_fn: Callable[..., torch.Tensor] | None
+    def __init__(self, model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[..., torch.Tensor] | None
+                 ) -> None:
+        self._model = weakref.ref(model)
+        self.example_inputs, self.loss_fn = example_inputs, loss_fn
+
+    @property
+    def model(self) -> torch.nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("pm.eval() / pm.train() compile the model again in the other mode, and the model given "
+                               "to fxpar.parallelize has been freed: keep a reference to it until both modes have "
+                               "run once, or parallelize the model in the mode you run")
+        return model
 
 
 @dataclass

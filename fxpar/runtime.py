@@ -231,10 +231,9 @@ class ParallelModule(RankParameters):
         """Run the program compiled in ``mode``: ``pm.eval()`` the model as ``model.eval()`` runs it (compiled on
         the first switch, every module in eval mode), ``pm.train()`` the program compiled first (``fxpar.modes``).
         Call it on every rank, as the step itself."""
-        super().train(mode)
-        if "_modes" in self.__dict__:  # not while ``nn.Module`` sets itself up
+        if "_modes" in self.__dict__:  # not while ``nn.Module`` sets itself up; a failed switch leaves the mode
             self._switch_to(mode)
-        return self
+        return super().train(mode)
 
     def _switch_to(self, mode: bool) -> None:
         current = self._compiled.training

@@ -94,3 +94,20 @@ def test_a_validation_step_under_no_grad_runs_forwards_only_in_a_pipeline() -> N
                                TOKENS, next_token_loss, timeout=240)
     for r in ranks:
         assert r["validation"] <= RTOL and r["grads_untouched"], r
+
+
+def test_the_module_does_not_keep_the_users_model_alive() -> None:
+    """``pm`` holds the model weakly (a whole unsharded copy of the weights must be freeable after
+    ``fxpar.parallelize``): once the user drops it, it is freed, and ``pm.eval()`` says why it cannot compile."""
+    import gc
+    import weakref
+
+    model = tiny_resnet()
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (IMAGES,))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(RuntimeError, match="has been freed"):
+        pm.eval()
+    assert pm.training
