@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from fxpar.grad_sums import GradSums
-from fxpar.loss_watch import IgnoredTargets, warn_uneven_mean
 from fxpar.rank_spec import RankSpec, StageSpec
 from fxpar.rank_step import StepEvent
+from fxpar.step_loss import StepLosses
 
 
 class StageRunner:
@@ -86,7 +85,7 @@ class StepState:
 LossFn = Callable[[list[Any], Any], torch.Tensor]  # (the last stage's output leaves, targets) -> a batch-mean loss
 
 
-class StepExecutor:
+class StepExecutor(StepLosses):
     """Runs a rank's step events. Built once per rank; ``run`` is one training step.
 
     ``events`` is the list it runs (``fxpar.rank_step``); ``fxpar.verify(pm, events=...)`` checks a list.
@@ -185,28 +184,6 @@ class StepExecutor:
         else:
             st.outputs[(s, mb)] = outs
 
-    def loss(self, outs: list[torch.Tensor], targets: Any) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        leaves = [o.detach().requires_grad_() if isinstance(o, torch.Tensor) and o.is_floating_point() else o
-                  for o in outs]
-        watch = IgnoredTargets() if self.spec.batch_ranks > 1 and not self.warned_uneven_mean else nullcontext()
-        with torch.enable_grad(), watch:
-            loss = self.loss_fn(leaves, targets)
-        if isinstance(watch, IgnoredTargets) and watch.uneven:
-            warn_uneven_mean(self.spec.batch_ranks)
-            self.warned_uneven_mean = True
-        with torch.enable_grad():
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
-                raise ValueError(_not_a_loss(loss))
-            (loss / self.m).backward()
-        return loss.detach(), [x.grad if isinstance(x, torch.Tensor) else None for x in leaves]
-
-    def loss_value(self, outs: list[torch.Tensor], targets: Any) -> torch.Tensor:
-        """The loss of one microbatch, without its gradient (an evaluation step)."""
-        loss = self.loss_fn(outs, targets)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError(_not_a_loss(loss))
-        return loss.detach()
-
     def tangents_for(self, s: int, mb: int, st: StepState) -> list[torch.Tensor]:
         r = self.runners[s]
         if s == self.spec.n_stages - 1:
@@ -296,16 +273,6 @@ class StepExecutor:
             out.append(buf)
         return out
 
-    # -- end of step ---------------------------------------------------------------------------
-    def global_loss(self, st: StepState) -> torch.Tensor:
-        """The mean loss over microbatches and dp ranks, on every rank (one world all-reduce of a scalar)."""
-        value = torch.zeros((), dtype=torch.float64)
-        if st.losses:
-            value = torch.stack([loss.double() for loss in st.losses.values()]).mean() / self.spec.loss_divisor
-            value = value * self.spec.batch_weight
-        dist.all_reduce(value)
-        return value.float()
-
 
 FORWARD_KINDS = frozenset({"gather", "F", "SEND_F", "RECV_F", "wait_sends", "loss"})
 
@@ -326,11 +293,3 @@ def write_trace(path: str, events: list[dict[str, Any]], rank: int) -> None:
         flat = [e for rank_events in gathered for e in rank_events]
         with open(path, "w") as f:
             json.dump({"traceEvents": flat, "displayTimeUnit": "ms"}, f)
-
-
-def _not_a_loss(loss: Any) -> str:
-    what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) and loss.dim()
-            else "a tensor that does not depend on the outputs" if isinstance(loss, torch.Tensor)
-            else f"{type(loss).__name__}")
-    return (f"loss_fn returned {what}: it must return a scalar tensor computed from the model's outputs, the mean "
-            "over the batch (for example F.cross_entropy(logits.flatten(0, 1), targets.flatten()))")

@@ -33,3 +33,16 @@ def distributed_state(own: Mapping[str, Any], given: Mapping[str, Any], held_els
             value = distribute_tensor(local, mine.device_mesh, mine.placements)
         out[key] = value
     return out
+
+
+class FullStateLoading:
+    """Mixin of ``ParallelModule``: ``load_state_dict`` that also takes a single-device state dict. Reads the
+    module's ``_save_sources`` (the model's parameter and buffer names)."""
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, also from a single-device state dict: whole tensors are distributed as each
+        parameter is stored, and the model's entries another pipeline stage holds are skipped
+        (``fxpar.full_state``). Call it on every rank."""
+        model_keys = {*self._save_sources.requires_grad, *self._save_sources.buffers}
+        given = distributed_state(self.state_dict(), state_dict, model_keys)
+        return super().load_state_dict(given, strict=strict, assign=assign)

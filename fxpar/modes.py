@@ -26,7 +26,10 @@ from typing import Any
 import torch
 
 from fxpar.compiled import Compiled, compile_model
+from fxpar.input_shapes import InputCheck
+from fxpar.params import bind_runners, non_persistent_buffers
 from fxpar.plan import Plan
+from fxpar.verify import verify
 
 
 class ModeSource:
@@ -87,3 +90,53 @@ def compile_in_mode(source: ModeSource, compiled: Compiled, training: bool) -> C
     with all_in_mode(source.model, training):
         return compile_model(source.model, compiled.mesh, source.example_inputs, same_split(compiled),
                              source.loss_fn)
+
+
+class ModeSwitching:
+    """Mixin of ``ParallelModule``: ``train(mode)`` swaps in the program (and what the rank binds of it) compiled
+    in ``mode``, compiling it on the first switch. Reads the module's ``_compiled``, ``_stage_buffers``,
+    ``_runners``, ``_executor``, ``_inputs``, ``proof``, ``_rank``, ``_source`` and ``_modes``."""
+
+    def train(self, mode: bool = True) -> Any:
+        """Run the program compiled in ``mode``: ``pm.eval()`` the model as ``model.eval()`` runs it (compiled on
+        the first switch, every module in eval mode), ``pm.train()`` the program compiled first (``fxpar.modes``).
+        Call it on every rank, as the step itself."""
+        if "_modes" in self.__dict__:  # not while ``nn.Module`` sets itself up; a failed switch leaves the mode
+            self._switch_to(mode)
+        return super().train(mode)
+
+    def _switch_to(self, mode: bool) -> None:
+        current = self._compiled.training
+        if mode == current:
+            return
+        self._modes[current] = ModeRun(self._compiled, self._stage_buffers, self._runners, self._executor,
+                                       self._inputs, self.proof)
+        run = self._modes.get(mode) or self._compile_mode(mode)
+        self._compiled, self._stage_buffers, self._runners = run.compiled, run.stage_buffers, run.runners
+        self._executor, self._inputs, self.proof = run.executor, run.inputs, run.proof
+
+    def _compile_mode(self, mode: bool) -> ModeRun:
+        source = self._source
+        if source is None:
+            raise RuntimeError(f"this ParallelModule holds only the program compiled in {_mode_name(not mode)} mode "
+                               f"and cannot compile the {_mode_name(mode)} one: build it with fxpar.parallelize "
+                               "(or pass example_inputs= with the model), or compile the model in the mode you run")
+        compiled = compile_in_mode(source, self._compiled, mode)
+        stage_buffers: dict[int, list[torch.Tensor]] = {}
+        runners: dict[int, Any] = {}
+        if self._rank is not None:
+            buffers = {**dict(source.model.named_buffers()), **dict(self.named_buffers())}  # trained statistics
+            stage_buffers, runners = bind_runners(self, compiled, buffers, self._rank,
+                                                  non_persistent_buffers(source.model))
+        run = ModeRun(compiled, stage_buffers, runners, None, InputCheck(compiled, self._rank), None)
+        held = self._compiled
+        self._compiled = compiled  # ``verify`` reads the module's program
+        try:
+            run.proof = verify(self)
+        finally:
+            self._compiled = held
+        return run
+
+
+def _mode_name(training: bool) -> str:
+    return "training" if training else "evaluation"

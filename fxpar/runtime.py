@@ -7,7 +7,7 @@ No DTensor dispatch happens in the step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from fxpar.compiled import Compiled, flat_user_inputs, split_microbatches
 from fxpar.estimate import Estimate
 from fxpar.estimate import estimate as estimate_step
 from fxpar.executor import LossFn, StageRunner, StepExecutor
-from fxpar.full_state import distributed_state
+from fxpar.full_state import FullStateLoading
 from fxpar.grad_sums import cut_from_larger
 from fxpar.input_shapes import InputCheck
 from fxpar.ir import Program
@@ -29,15 +29,14 @@ from fxpar.lower import LedgerRow, RankProgram
 from fxpar.memory import Memory
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
-from fxpar.modes import ModeRun, ModeSource, compile_in_mode
-from fxpar.params import RankParameters, bind_runners, materialize, non_persistent_buffers
+from fxpar.modes import ModeRun, ModeSource, ModeSwitching
+from fxpar.params import RankParameters, materialize
 from fxpar.plan import Plan
 from fxpar.printer import ledger_table, print_rank_programs
 from fxpar.rank_spec import rank_spec
 from fxpar.rank_step import StepEvent, rank_step, step_ledger
 from fxpar.schedules import Schedule
 from fxpar.stages import stage_costs
-from fxpar.verify import verify
 
 
 class _RankStep(torch.autograd.Function):
@@ -89,7 +88,7 @@ def structured_loss(loss_fn: Callable[..., torch.Tensor], out_spec: Any) -> Loss
     return flat_loss
 
 
-class ParallelModule(RankParameters):
+class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
     """The model compiled for one rank of a mesh.
 
     ``pm.step(inputs..., targets)`` runs forward and backward of every microbatch per the pipeline
@@ -218,55 +217,6 @@ class ParallelModule(RankParameters):
         """
         return save_programs(self._compiled, folder, self._save_sources)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """``nn.Module.load_state_dict``, also from a single-device state dict: whole tensors are distributed as each
-        parameter is stored, and the model's entries another pipeline stage holds are skipped
-        (``fxpar.full_state``). Call it on every rank."""
-        model_keys = {*self._save_sources.requires_grad, *self._save_sources.buffers}
-        given = distributed_state(self.state_dict(), state_dict, model_keys)
-        return super().load_state_dict(given, strict=strict, assign=assign)
-
-    # -- modes ------------------------------------------------------------------------------------
-    def train(self, mode: bool = True) -> ParallelModule:
-        """Run the program compiled in ``mode``: ``pm.eval()`` the model as ``model.eval()`` runs it (compiled on
-        the first switch, every module in eval mode), ``pm.train()`` the program compiled first (``fxpar.modes``).
-        Call it on every rank, as the step itself."""
-        if "_modes" in self.__dict__:  # not while ``nn.Module`` sets itself up; a failed switch leaves the mode
-            self._switch_to(mode)
-        return super().train(mode)
-
-    def _switch_to(self, mode: bool) -> None:
-        current = self._compiled.training
-        if mode == current:
-            return
-        self._modes[current] = ModeRun(self._compiled, self._stage_buffers, self._runners, self._executor,
-                                       self._inputs, self.proof)
-        run = self._modes.get(mode) or self._compile_mode(mode)
-        self._compiled, self._stage_buffers, self._runners = run.compiled, run.stage_buffers, run.runners
-        self._executor, self._inputs, self.proof = run.executor, run.inputs, run.proof
-
-    def _compile_mode(self, mode: bool) -> ModeRun:
-        source = self._source
-        if source is None:
-            raise RuntimeError(f"this ParallelModule holds only the program compiled in {_mode_name(not mode)} mode "
-                               f"and cannot compile the {_mode_name(mode)} one: build it with fxpar.parallelize "
-                               "(or pass example_inputs= with the model), or compile the model in the mode you run")
-        compiled = compile_in_mode(source, self._compiled, mode)
-        stage_buffers: dict[int, list[torch.Tensor]] = {}
-        runners: dict[int, Any] = {}
-        if self._rank is not None:
-            buffers = {**dict(source.model.named_buffers()), **dict(self.named_buffers())}  # trained statistics
-            stage_buffers, runners = bind_runners(self, compiled, buffers, self._rank,
-                                                  non_persistent_buffers(source.model))
-        run = ModeRun(compiled, stage_buffers, runners, None, InputCheck(compiled, self._rank), None)
-        held = self._compiled
-        self._compiled = compiled  # ``verify`` reads the module's program
-        try:
-            run.proof = verify(self)
-        finally:
-            self._compiled = held
-        return run
-
     # -- execution ----------------------------------------------------------------------------
     def _materialize(self, model: torch.nn.Module) -> None:
         """This rank's parameters as DTensors (registered under their model paths), its buffers and bound graphs."""
@@ -336,7 +286,3 @@ class ParallelModule(RankParameters):
             self._executor = StepExecutor(self, self._runners, rank_step(c, self._rank), rank_spec(c, self._rank),
                                           structured_loss(self._loss_fn, c.out_spec), dict(self._tie_groups))
         return self._executor
-
-
-def _mode_name(training: bool) -> str:
-    return "training" if training else "evaluation"

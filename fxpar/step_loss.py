@@ -1,0 +1,69 @@
+"""The loss events of a rank's step: each microbatch's loss on the last stage, and the step's mean loss.
+
+``StepExecutor`` runs them (``fxpar.executor``): ``loss`` computes ``loss_fn`` eagerly on the last stage's outputs
+and the gradients of those outputs (the backward's incoming gradients), watching for a loss that is not a batch
+mean (``fxpar.loss_watch``); ``loss_value`` is the same loss without its gradient (an evaluation step);
+``global_loss`` averages over microbatches and the ranks sharing the batch.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from fxpar.loss_watch import IgnoredTargets, warn_uneven_mean
+
+if TYPE_CHECKING:
+    from fxpar.executor import StepState
+
+
+class StepLosses:
+    """Mixin of ``StepExecutor``: reads ``loss_fn``, ``spec``, ``m`` and ``warned_uneven_mean``."""
+
+    loss_fn: Any
+    spec: Any
+    m: int
+    warned_uneven_mean: bool
+
+    def loss(self, outs: list[torch.Tensor], targets: Any) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        leaves = [o.detach().requires_grad_() if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                  for o in outs]
+        watch = IgnoredTargets() if self.spec.batch_ranks > 1 and not self.warned_uneven_mean else nullcontext()
+        with torch.enable_grad(), watch:
+            loss = self.loss_fn(leaves, targets)
+        if isinstance(watch, IgnoredTargets) and watch.uneven:
+            warn_uneven_mean(self.spec.batch_ranks)
+            self.warned_uneven_mean = True
+        with torch.enable_grad():
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+                raise ValueError(_not_a_loss(loss))
+            (loss / self.m).backward()
+        return loss.detach(), [x.grad if isinstance(x, torch.Tensor) else None for x in leaves]
+
+    def loss_value(self, outs: list[torch.Tensor], targets: Any) -> torch.Tensor:
+        """The loss of one microbatch, without its gradient (an evaluation step)."""
+        loss = self.loss_fn(outs, targets)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(_not_a_loss(loss))
+        return loss.detach()
+
+    def global_loss(self, st: StepState) -> torch.Tensor:
+        """The mean loss over microbatches and dp ranks, on every rank (one world all-reduce of a scalar)."""
+        value = torch.zeros((), dtype=torch.float64)
+        if st.losses:
+            value = torch.stack([loss.double() for loss in st.losses.values()]).mean() / self.spec.loss_divisor
+            value = value * self.spec.batch_weight
+        dist.all_reduce(value)
+        return value.float()
+
+
+
+def _not_a_loss(loss: Any) -> str:
+    what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) and loss.dim()
+            else "a tensor that does not depend on the outputs" if isinstance(loss, torch.Tensor)
+            else f"{type(loss).__name__}")
+    return (f"loss_fn returned {what}: it must return a scalar tensor computed from the model's outputs, the mean "
+            "over the batch (for example F.cross_entropy(logits.flatten(0, 1), targets.flatten()))")
