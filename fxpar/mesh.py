@@ -84,7 +84,9 @@ class Mesh:
         return DeviceMesh("cpu", ids, mesh_dim_names=self.names, _init_backend=False, _rank=0)
 
     def device_mesh(self) -> DeviceMesh:
-        """The real ``DeviceMesh`` for execution; the process group must already exist."""
+        """The real ``DeviceMesh`` for execution; the process group must already exist. Made once per default
+        process group: every ``DeviceMesh`` creates process groups of its own for its dims, so each call making one
+        would open new communicators (a module and its second program, a launcher and its clipping)."""
         if self.fake:
             raise ValueError("a fake Mesh compiles only; build Mesh(..., fake=False) to run")
         if not dist.is_initialized():
@@ -95,7 +97,17 @@ class Mesh:
                 f"mesh {self.describe()} has {self.size} ranks but the world size is {world}: "
                 f"launch {self.size} processes or change the mesh"
             )
-        return DeviceMesh(self.device, torch.arange(self.size).reshape(self.shape), mesh_dim_names=self.names)
+        world_group = dist.group.WORLD
+        made = self.__dict__.get("_device_mesh")
+        if made is None or made[0] is not world_group:
+            dm = DeviceMesh(self.device, torch.arange(self.size).reshape(self.shape), mesh_dim_names=self.names)
+            made = self._device_mesh = (world_group, dm)
+        return made[1]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_device_mesh", None)  # its process groups belong to this process
+        return state
 
     def __repr__(self) -> str:
         return f"Mesh({self.axes}, device={self.device!r}{', fake=True' if self.fake else ''})"
