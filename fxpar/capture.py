@@ -20,7 +20,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
 
 from fxpar import blocks as _blocks_module
 from fxpar.batch_norm import CAPTURE_DECOMPOSITIONS
@@ -34,6 +33,7 @@ from fxpar.ir import SPLIT_ADDMM, Program, Provenance, Signature, fake_empty
 from fxpar.mesh import Mesh
 from fxpar.mixed_precision import computing_in
 from fxpar.moe import experts_as_ops
+from fxpar.reparametrize import swapped_in
 from fxpar.simplify import bias_after_token_view, bmm_over_heads, drop_identity_batch_index, tokens_unflattened
 from fxpar.source import _clean_module_path, user_source
 from fxpar.split import CONTEXT_AXIS
@@ -129,7 +129,7 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
 
     @contextmanager
     def tracing() -> Iterator[None]:
-        with _reparametrize_module(model, fake_state, tie_weights=True), \
+        with swapped_in(model, fake_state), \
                 experts_as_ops(model, mesh.axes.get("ep", 1)), computing_in(model, param_dtype):
             yield
 

@@ -161,13 +161,24 @@ def _most_alike(container: torch.nn.Module) -> int:
     return max(counts.values(), default=0)
 
 
+def _reused_note(model: torch.nn.Module) -> str:
+    """Say so when a container holds one module object several times (ALBERT-style shared layers): a stage holds
+    a module, so its uses cannot be split among stages."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, BLOCK_CONTAINERS) and len(mod) > len(dict(mod.named_children())):
+            return (f"; {name or type(model).__name__} has {len(mod)} entries but only "
+                    f"{len(dict(mod.named_children()))} distinct module object(s), and the uses of one module cannot "
+                    "be split among stages")
+    return ""
+
+
 def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,
                   cost: Callable[[fx.Node], float] = node_cost) -> tuple[list[str], list[float]]:
     """Split points for ``n_stages`` cost-balanced stages, at block boundaries (min over splits of max stage cost)."""
     blocks = block_paths(model)
     if n_stages > max(len(blocks), 1):
         found = (f"the {len(blocks)} splittable blocks of {type(model).__name__} ({', '.join(blocks[:3])}"
-                 f"{', ...' if len(blocks) > 3 else ''})" if blocks else
+                 f"{', ...' if len(blocks) > 3 else ''}{_reused_note(model)})" if blocks else
                  f"the splittable blocks of {type(model).__name__}: it has no nn.ModuleList, nn.Sequential or "
                  "nn.ModuleDict of repeated blocks (a block applied several times is one module)")
         raise PlanError(f"stages={n_stages} is more than {found}; use fewer stages, or name the modules that start "

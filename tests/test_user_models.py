@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fxpar
 from fxpar.testing import assert_equivalent
 from fxpar.testing.titan_llama import TITAN_TP, titan_llama, token_cross_entropy
 from fxpar.testing.user_models import (
+    SHARED_LAYERS_TP,
     logits_square,
     optional_loss,
     residual_stack,
     segmentation_net,
+    shared_layers,
     stacked_lstm,
     temporal_conv,
 )
@@ -84,3 +87,22 @@ def test_a_model_returning_none_beside_its_logits_compiles_and_matches() -> None
     x = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
     assert_equivalent(optional_loss, {"dp": 2}, None, (x,), steps=2)
     assert_equivalent(optional_loss, {"dp": 2}, fxpar.Plan(microbatches=2), (x,), steps=2, loss_fn=logits_square)
+
+
+def test_a_block_shared_by_every_layer_leaves_the_model_as_it_was_and_matches() -> None:
+    """ALBERT-style sharing, ``nn.ModuleList([block] * 4)``: torch's ``_reparametrize_module`` (tie_weights=True)
+    restores a module that sits under several paths with the fake tensor it swapped in last, so compiling left the
+    user's block holding fake parameters, and the rank programs ran on them (a gloo size mismatch, or garbage).
+    ``fxpar.reparametrize.swapped_in`` puts back the very objects. dp=2 ZeRO-1 and tp=2 on the shared block's
+    projections (its gradient sums four layers' contributions) match the single device (fp32, rtol 1e-5); a
+    pipeline split is refused, naming the reuse."""
+    tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    model = shared_layers()
+    before = {name: p for name, p in model.named_parameters()}
+    fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (tokens,), plan=fxpar.Plan(zero=1))
+    assert all(p is before[name] for name, p in model.named_parameters())
+    assert_equivalent(shared_layers, {"dp": 2}, fxpar.Plan(zero=1), (tokens,), steps=2)
+    assert_equivalent(shared_layers, {"tp": 2}, fxpar.Plan(tp=SHARED_LAYERS_TP), (tokens,), steps=2)
+    with pytest.raises(fxpar.PlanError, match="4 entries but only 1 distinct module"):
+        fxpar.parallelize(model, fxpar.Mesh({"pp": 2}, fake=True), (tokens,), plan=fxpar.Plan(stages=2),
+                          loss_fn=lambda out: out.square().mean())

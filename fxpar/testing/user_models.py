@@ -277,3 +277,42 @@ def optional_loss() -> OptionalLoss:
 def logits_square(out: tuple[torch.Tensor, Any], targets: Any = None) -> torch.Tensor:
     """A loss on the logits of ``(logits, loss)`` outputs."""
     return out[0].square().mean()
+
+
+class SwiGLUBlock(nn.Module):
+    """Pre-norm SwiGLU MLP with a residual."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(width)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+class SharedLayers(nn.Module):
+    """ALBERT-style weight sharing written as users write it: ``nn.ModuleList([block] * layers)``, one module object
+    under every path ``layers.0`` .. ``layers.3``."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList([SwiGLUBlock(width, 2 * width)] * layers)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def shared_layers() -> SharedLayers:
+    return SharedLayers()
+
+
+SHARED_LAYERS_TP = {"layers.*.up": "colwise", "layers.*.gate": "colwise", "layers.*.down": "rowwise"}
