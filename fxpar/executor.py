@@ -99,6 +99,7 @@ class StepExecutor(StepLosses):
         self.state, self.runners, self.events, self.spec = state, runners, events, spec
         self.loss_fn, self.tie_groups = loss_fn, tie_groups
         self.warned_uneven_mean = False  # ``fxpar.loss_watch``: said once per module
+        self.checked_split_mean = False  # ``fxpar.loss_watch.split_mean_gap``: tested once per module
         self.rank, self.m = spec.rank, spec.microbatches
         self.recv_meta = spec.recv_meta
 

@@ -14,19 +14,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fxpar.loss_watch import IgnoredTargets, warn_uneven_mean
+from fxpar.loss_watch import IgnoredTargets, split_mean_gap, warn_split_mean, warn_uneven_mean
 
 if TYPE_CHECKING:
     from fxpar.executor import StepState
 
 
 class StepLosses:
-    """Mixin of ``StepExecutor``: reads ``loss_fn``, ``spec``, ``m`` and ``warned_uneven_mean``."""
+    """Mixin of ``StepExecutor``: reads ``loss_fn``, ``spec``, ``m``, ``warned_uneven_mean`` and
+    ``checked_split_mean``."""
 
     loss_fn: Any
     spec: Any
     m: int
     warned_uneven_mean: bool
+    checked_split_mean: bool
 
     def loss(self, outs: list[torch.Tensor], targets: Any) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         leaves = [o.detach().requires_grad_() if isinstance(o, torch.Tensor) and o.is_floating_point() else o
@@ -37,11 +39,24 @@ class StepLosses:
         if isinstance(watch, IgnoredTargets) and watch.uneven:
             warn_uneven_mean(self.spec.batch_ranks)
             self.warned_uneven_mean = True
+        self._check_split_mean(leaves, targets, loss)
         with torch.enable_grad():
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
                 raise ValueError(_not_a_loss(loss))
             (loss / self.m).backward()
         return loss.detach(), [x.grad if isinstance(x, torch.Tensor) else None for x in leaves]
+
+    def _check_split_mean(self, leaves: list[Any], targets: Any, loss: torch.Tensor) -> None:
+        """Once per module, where the step splits the batch: warn if ``loss_fn`` is not a mean over rows."""
+        if self.checked_split_mean or self.warned_uneven_mean or self.spec.batch_ranks * self.m == 1:
+            return
+        self.checked_split_mean = True
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            return  # refused below, by name
+        gap = split_mean_gap(self.loss_fn, leaves, targets, loss)
+        if gap is not None:
+            warn_split_mean(self.spec.batch_ranks, self.m, *gap)
+            self.warned_uneven_mean = True
 
     def loss_value(self, outs: list[torch.Tensor], targets: Any) -> torch.Tensor:
         """The loss of one microbatch, without its gradient (an evaluation step)."""

@@ -5,6 +5,8 @@ Module-level so that spawned gloo ranks can unpickle it; it imports nothing from
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,3 +87,39 @@ class RegressionLoss(nn.Module):
 
 def regression_loss(loss: str = "mse") -> RegressionLoss:
     return RegressionLoss(loss)
+
+
+def contrastive_loss(out: torch.Tensor, targets: Any = None) -> torch.Tensor:
+    """CLIP's loss over one output holding both embeddings side by side: each row's ``a`` against every row's ``b``
+    (``a @ b.T``), the matching row its class. It compares rows with each other: not a mean over rows."""
+    a, b = out.chunk(2, dim=1)
+    logits = a @ b.T
+    return torch.nn.functional.cross_entropy(logits, torch.arange(len(out)))
+
+
+def summed_square(out: torch.Tensor, targets: Any = None) -> torch.Tensor:
+    """A loss summed over the batch (``reduction="sum"``): not a mean over rows."""
+    return out.square().sum()
+
+
+def mean_square(out: torch.Tensor, targets: Any = None) -> torch.Tensor:
+    return out.square().mean()
+
+
+class ContrastiveEncoder(nn.Module):
+    """Two towers and CLIP's loss inside ``forward``: ``model(x) -> loss`` (each row's image embedding against every
+    row's text embedding). The text tower ends without a bias: the loss's gradient for it is zero (each row of
+    the softmax's gradient sums to zero), and Adam turns a zero gradient's rounding into whole steps."""
+
+    def __init__(self, width: int = 10, embed: int = 8) -> None:
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, embed))
+        self.text = nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, embed, bias=False))
+
+    def forward(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        logits = self.image(images) @ self.text(texts).T
+        return F.cross_entropy(logits, torch.arange(len(images)))
+
+
+def contrastive_encoder() -> ContrastiveEncoder:
+    return ContrastiveEncoder()

@@ -342,3 +342,23 @@ def warnings_of_a_padded_loss(inputs: torch.Tensor, targets: torch.Tensor, ignor
         pm.step(inputs.chunk(2)[rank], targets.chunk(2)[rank])
         pm.step(inputs.chunk(2)[rank], targets.chunk(2)[rank])
     return [str(w.message) for w in caught if issubclass(w.category, fxpar.FxparWarning)]
+
+
+def warnings_of_a_loss(inputs: torch.Tensor, loss_fn: Any, axes: dict[str, int], microbatches: int) -> list[str]:
+    """Rank body: two ``pm.step`` of a small encoder with ``loss_fn`` on ``axes`` (dp shards the batch) and
+    ``microbatches``; the ``FxparWarning`` messages they raised."""
+    import warnings
+
+    import fxpar
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(inputs.shape[1], 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    pm = fxpar.parallelize(model, fxpar.Mesh(axes), (inputs,), plan=fxpar.Plan(microbatches=microbatches),
+                           loss_fn=loss_fn)
+    dp = axes.get("dp", 1)
+    mine = inputs.chunk(dp)[dist.get_rank() % dp]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm.step(mine)
+        pm.step(mine)
+    return [str(w.message) for w in caught if issubclass(w.category, fxpar.FxparWarning)]
