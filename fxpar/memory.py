@@ -136,6 +136,18 @@ def nbytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
+def unread_outputs_bytes(node: fx.Node) -> int:
+    """Bytes of the tensors a multi-output op returns that no ``getitem`` takes: the kernel allocates them all (the
+    whole float output ``native_dropout`` computes beside the mask a rank program keeps, a layer norm's unused
+    statistics; an item taken but never read is the same), and they are freed with the tuple."""
+    val = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(val, (tuple, list)):
+        return 0
+    taken = {u.args[1] for u in node.users if u.target is operator.getitem and u.users}
+    return sum(v.numel() * v.element_size() for i, v in enumerate(val)
+               if isinstance(v, torch.Tensor) and i not in taken)
+
+
 def storage_root(node: fx.Node) -> fx.Node:
     """The node whose storage ``node`` uses: follows view ops (and items of a split) back to their base."""
     while node.op == "call_function":
@@ -185,10 +197,11 @@ def largest_live_set(gm: fx.GraphModule, output_excess: bool = False) -> int:
     for i, n in enumerate(nodes):
         root = storage_root(n)
         if n.op == "call_function" and root is n and n not in outputs and n in last_use:
-            alive[n] = nbytes(n)
+            alive[n] = nbytes(n) + unread_outputs_bytes(n)  # a tuple lives until its last item is taken
             live += alive[n]
         live += excess.get(n, 0)  # never released before the graph returns
-        peak = max(peak, live)
+        dropped = unread_outputs_bytes(n) if n not in last_use and root is n else 0  # allocated, freed at once
+        peak = max(peak, live + dropped)
         for a in [a for a, end in last_use.items() if end == i and a in alive]:
             live -= alive.pop(a)
     return peak

@@ -110,3 +110,23 @@ def test_a_backward_output_cut_from_a_larger_buffer_keeps_the_rest_alive() -> No
     assert largest_live_set(cut) == 0 and largest_live_set(filled) == 0  # outputs are counted elsewhere
     assert largest_live_set(cut, output_excess=True) == 3 * 16 * 4
     assert largest_live_set(filled, output_excess=True) == 0
+
+
+def test_transient_counts_the_outputs_of_an_op_that_nobody_takes() -> None:
+    """``native_dropout`` allocates its whole float output beside the mask even where a rank program keeps only the
+    mask (``fxpar.random_draws``): the largest live set counts it while the op's tuple lives, and an op whose
+    outputs nobody reads at all counts them at its own position (allocated, then freed at once)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def mask_only(x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.ops.aten.native_dropout(x, 0.5, True)[1],)
+
+    def nothing_read(x: torch.Tensor) -> tuple[torch.Tensor]:
+        torch.ops.aten.native_dropout(x, 0.5, True)
+        return (x * 2,)
+
+    x = torch.randn(8, 64)
+    assert largest_live_set(make_fx(mask_only)(x)) == 8 * 64 * 4  # the float output; the mask is the graph's output
+    gm = make_fx(nothing_read)(x)
+    assert any(n.target is torch.ops.aten.native_dropout.default for n in gm.graph.nodes)
+    assert largest_live_set(gm) == 8 * 64 * 4 + 8 * 64  # both outputs, for an instant
