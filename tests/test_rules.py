@@ -312,3 +312,22 @@ def test_eval_mode_batch_norm_keeps_any_dim_sharded_on_real_shards(affine: bool)
     assert {c.output[0] for c in found} == {Replicate(), Shard(0), Shard(1), Shard(2), Shard(3)}
     for cand in found:
         check_candidate(op, args, {}, cand, 2)
+
+
+@pytest.mark.parametrize("dim", [0, 2])  # the fused kernel takes the first or the last dim
+def test_weight_norm_backward_keeps_a_partial_gradient_partial_on_real_shards(dim: int) -> None:
+    """``_weight_norm_interface_backward`` is linear in the weight's gradient and per slice along ``dim``: a dp-partial
+    gradient stays partial (before: no rule, a warning, the gradient all-reduced and the op run replicated), and
+    with ``dim=0`` every tensor may shard on dim 0 (the kernel refuses the non-contiguous shards of a later dim)."""
+    op = aten._weight_norm_interface_backward.default
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(6, 4, 3, generator=g)
+    keep = [1 if d != dim else v.shape[d] for d in range(3)]
+    magnitude = torch.rand(keep, generator=g) + 0.5
+    norms = v.square().sum([d for d in range(3) if d != dim], keepdim=True).sqrt()
+    args = (torch.randn(6, 4, 3, generator=g), v, magnitude, norms, dim)
+    found = candidates(op, args, {}, [Replicate()] * 4, 2)
+    sharded = {(Shard(0), Shard(0))} if dim == 0 else set()
+    assert {c.output for c in found} == {(Replicate(), Replicate()), (Partial(), Partial())} | sharded
+    for cand in found:
+        check_candidate(op, args, {}, cand, 2)

@@ -19,6 +19,7 @@ PARTIAL_LINEAR = {
     aten.clone.default, aten.alias.default, aten.detach.default, aten.neg.default, aten.mul.Scalar,
     aten.div.Scalar, aten.sum.dim_IntList, aten.sum.default, aten.slice_backward.default,
     aten.embedding_dense_backward.default,  # linear in the gradient (a batch-free position table)
+    aten._weight_norm_interface_backward.default,  # linear in the weight's gradient (its rule's only partial input)
 }
 PARTIAL_SUMS = {aten.add.Tensor, aten.sub.Tensor}  # partial only if every tensor arg is partial
 # linear in one argument while the other is replicated (which one may be partial is the candidate's, DTensor's,

@@ -316,3 +316,19 @@ def shared_layers() -> SharedLayers:
 
 
 SHARED_LAYERS_TP = {"layers.*.up": "colwise", "layers.*.gate": "colwise", "layers.*.down": "rowwise"}
+
+
+class WeightNormedConvs(nn.Module):
+    """HiFi-GAN / wav2vec2-style convolutions under weight normalization (the parametrization and the legacy hook)."""
+
+    def __init__(self, channels: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.utils.parametrizations.weight_norm(nn.Conv1d(channels, hidden, 3, padding=1))
+        self.out = nn.utils.parametrizations.weight_norm(nn.Conv1d(hidden, channels, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.gelu(self.inp(x)))
+
+
+def weight_normed_convs() -> WeightNormedConvs:
+    return WeightNormedConvs()
