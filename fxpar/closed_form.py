@@ -11,10 +11,11 @@ per rank (``(params - L params_block) + L params_block / pp``, the groups' share
   the compute and the same communication; ``recompute="full"`` adds one forward;
 * a pipeline rank runs ``(m + (pp-1)/v)`` microbatch slots of ``L/pp`` blocks (the 1F1B bubble over
   ``v`` interleaved stages), plus the point-to-point sends of each stage boundary;
-* dp: the gradients (fp32) are reduced once per step (all-reduce, or reduce-scatter + all-gather under
-  ZeRO-1, the same bytes); ZeRO-2 reduce-scatters after every microbatch's backward; ZeRO-3 also
-  all-gathers the working copy in the forward and the backward of every microbatch. Without pipeline
-  stages the once-per-step reduction overlaps the last backward;
+* dp: the gradients (fp32) are reduced once per step (all-reduce in ``bucket_mb`` buckets, or under ZeRO-1
+  a reduce-scatter per flat group: one per block of the stage and one for the rest, each paying its link
+  latency); ZeRO-2 reduce-scatters after every microbatch's backward; ZeRO-1/2 all-gather the working copy
+  (in ``param_dtype``) once per step before the forward; ZeRO-3 all-gathers it in the forward and the
+  backward of every microbatch. Without pipeline stages the once-per-step reduction overlaps the last backward;
 * memory follows ``pm.memory``: ``16 Psi`` bytes without ZeRO; ZeRO-1 ``(8 + 8/N) Psi + 8 Psi / N``;
   ZeRO-2 ``(4 + 4/N) Psi + 12 Psi / N``; ZeRO-3 ``16 Psi / N`` (fp32 master weights); activations
   ``S L/pp`` saved blocks times the microbatches in flight (pp under 1F1B, m under GPipe), divided by tp
@@ -31,6 +32,7 @@ import torch
 
 from fxpar.cluster import Cluster
 from fxpar.costs import collective_time
+from fxpar.plan import Plan
 from fxpar.profile import ModelProfile
 
 
@@ -130,22 +132,31 @@ def _params_per_rank(p: ModelProfile, ch: Choice, tp: int, share: float) -> floa
 
 
 def _dp_time(p: ModelProfile, ch: Choice, psi: float, cluster: Cluster, last_backward: float) -> float:
-    """Exposed dp communication of one step."""
+    """Exposed dp communication of one step. ZeRO reduces and gathers one flat group per block of the stage and
+    one for the rest (each collective pays its link latency); without ZeRO the gradients go in buckets of the
+    default ``bucket_mb``. ZeRO-1/2 gather the working copy once per step, before the forward."""
     if ch.dp < 2:
         return 0.0
     group = tuple(range(0, ch.dp * ch.tp * ch.pp, ch.tp))[: ch.dp]  # dp sits outside tp: ranks tp apart
     grads = psi * 4  # reduced in fp32
-    reduce = collective_time("all_reduce", group, int(grads), cluster)
+    work = psi * (p.working_bytes or p.param_bytes)
+    groups = max(round(p.n_blocks / ch.pp), 1) + 1
+
+    def split(op: str, nbytes: float, count: int) -> float:
+        return count * collective_time(op, group, int(nbytes / count), cluster)
+
     if ch.zero == 3:
-        gathers = 2 * ch.microbatches * collective_time("all_gather", group, int(psi * 2), cluster)
-        scatters = ch.microbatches * collective_time("reduce_scatter", group, int(grads), cluster)
+        gathers = 2 * ch.microbatches * split("all_gather", work, groups)
+        scatters = ch.microbatches * split("reduce_scatter", grads, groups)
         return max(gathers + scatters - 0.5 * ch.microbatches * last_backward, scatters / ch.microbatches)
-    if ch.zero == 2:  # every microbatch's backward reduce-scatters its gradients; one gather per step
-        scatters = ch.microbatches * collective_time("reduce_scatter", group, int(grads), cluster)
-        return scatters + collective_time("all_gather", group, int(psi * 2), cluster)
+    gather = split("all_gather", work, groups) if ch.zero else 0.0
+    if ch.zero == 2:  # every microbatch's backward reduce-scatters its gradients
+        return ch.microbatches * split("reduce_scatter", grads, groups) + gather
+    buckets = max(math.ceil(grads / (Plan().bucket_mb * 2**20)), 1)
+    reduce = split("reduce_scatter", grads, groups) if ch.zero == 1 else split("all_reduce", grads, buckets)
     if ch.pp > 1:
-        return reduce  # reduced once per step, after the pipeline drains
-    return max(reduce - 0.8 * last_backward, 0.0)
+        return reduce + gather  # reduced once per step, after the pipeline drains
+    return max(reduce - 0.8 * last_backward, 0.0) + gather
 
 
 def memory(p: ModelProfile, ch: Choice, psi: float, samples: float, tp: int) -> float:

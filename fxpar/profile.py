@@ -61,6 +61,7 @@ class ModelProfile:
     tokens_per_sample: int
     batch: int  # global samples per step
     seconds: dict[str, float] = field(default_factory=dict)  # how long profiling took
+    working_bytes: int = 0  # bytes per working-copy element (``param_dtype``'s); 0: the master's
 
 
 def profile_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, loss_fn: Any = None,
@@ -93,7 +94,7 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
         boundary_bytes=times["boundary"], reduced_bytes=times["reduced"], block_saved=block_saved,
         rest_saved=max(saved1 - block_saved, 0) if small is not None else 0,
         flops_per_sample=_model_flops(two, blocks[0], len(blocks)), tokens_per_sample=_tokens(one),
-        batch=batch,
+        batch=batch, working_bytes=param_dtype.itemsize if param_dtype is not None else 0,
     )
 
 
