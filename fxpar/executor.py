@@ -75,7 +75,7 @@ class StepState:
     output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)  # its outputs' grads, until B
     grads: GradSums = field(default_factory=lambda: GradSums([]))  # each stage's gradients summed over microbatches
     totals: dict[str, torch.Tensor] | None = None  # fqn -> gradient summed over this rank's stages
-    sends: list[Any] = field(default_factory=list)  # sends awaited at wait_sends
+    sends: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # SEND_B: awaited at wait_send(s)
     forward_sends: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # awaited at their RECV_B
     loss: torch.Tensor | None = None
     forward_only: bool = False  # an evaluation step (``forward_events``)
@@ -148,8 +148,11 @@ class StepExecutor(StepLosses):
             st.tangents[(e.stage - 1, e.mb)] = dict(zip([b.value for b in meta], self.recv(e), strict=True))
             for work in st.forward_sends.pop((e.stage - 1, e.mb), []):  # its gradient is back: the send arrived
                 work.wait()
+        elif e.kind == "wait_send":  # a later receive proved it arrived (``fxpar.schedules.arrivals``)
+            for work in st.sends.pop((e.stage, e.mb)):
+                work.wait()
         elif e.kind == "wait_sends":
-            for work in [*st.sends, *(w for works in st.forward_sends.values() for w in works)]:
+            for work in [w for works in (*st.sends.values(), *st.forward_sends.values()) for w in works]:
                 work.wait()
             st.sends.clear()
             st.forward_sends.clear()
@@ -264,7 +267,7 @@ class StepExecutor(StepLosses):
         if e.kind == "SEND_F":
             st.forward_sends[(e.stage, e.mb)] = works
         else:
-            st.sends += works
+            st.sends[(e.stage, e.mb)] = works
 
     def recv(self, e: StepEvent) -> list[torch.Tensor]:
         out = []

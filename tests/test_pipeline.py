@@ -190,11 +190,29 @@ def test_b_hands_w_tensors_not_the_tuples_of_multi_output_nodes() -> None:
 def test_a_step_holds_only_the_boundary_tensors_in_flight() -> None:
     """1F1B on pp=2 with 4 microbatches: the last stage holds one logits gradient at a time (not one per microbatch
     until the step ends), and stage 0 awaits each forward send when its gradient comes back, so it holds the two
-    sends of its warm-up, not all four (a hidden state each)."""
+    sends of its warm-up, not all four (a hidden state each). The last stage awaits each backward send once a
+    later forward from stage 0 proves it arrived (``fxpar.schedules.arrivals``): two at most, not all four."""
     tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
     plan = fxpar.Plan(schedule="1f1b", microbatches=4)
     held = default_pool().run(probes.held_during_step, 2, {"pp": 2}, plan, tokens, timeout=300)
-    assert held == [{"output_grads": 0, "forward_sends": 2}, {"output_grads": 1, "forward_sends": 0}]
+    assert held == [{"output_grads": 0, "forward_sends": 2, "backward_sends": 0},
+                    {"output_grads": 1, "forward_sends": 0, "backward_sends": 2}]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1"])
+def test_memory_held_by_boundary_sends_does_not_grow_with_microbatches(schedule: str) -> None:
+    """A backward send was held until the step's end, so a pipeline rank's activations grew with the microbatches
+    (on Megatron-LM's 1T layout: 512 microbatches x 2 stages x 105 MB, 100 GiB of a rank's 139). Each is now awaited
+    where a receive proves it arrived: at the same microbatch size, 16 microbatches hold what 4 do."""
+    stages = 4 if schedule == "interleaved-1f1b" else 2
+    held = []
+    for m in (4, 16):
+        tokens = torch.randint(0, 256, (2 * m, 16), generator=torch.Generator().manual_seed(0))
+        pm = fxpar.parallelize(llama(n_layers=4), fxpar.Mesh({"pp": 2}, fake=True), (tokens,),
+                               plan=fxpar.Plan(stages=stages, schedule=schedule, microbatches=m),
+                               loss_fn=next_token_loss)
+        held.append([pm.memory(rank).activations for rank in (0, 1)])
+    assert held[0] == held[1]
 
 
 def test_int_stages_are_cost_balanced_and_shown_in_the_plan() -> None:

@@ -195,7 +195,7 @@ def backward_halves_against_whole(mesh_axes: dict[str, int], plan: Any, tokens: 
 def held_during_step(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor) -> dict[str, int]:
     """Rank body: one ``pm.step`` of the bundled 2-layer Llama (seed 0); the most the step held at once, counted
     before each event, of the last stage's output gradients (the logits' gradient for a language model) and of
-    the forward sends not yet awaited."""
+    the forward and backward sends not yet awaited."""
     import fxpar
     from fxpar.models.llama import llama
     from fxpar.testing.error_models import next_token_loss
@@ -204,11 +204,12 @@ def held_during_step(mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor)
     mesh = fxpar.Mesh(mesh_axes)
     pm = parallelize_once(functools.partial(llama, n_layers=2), mesh, (tokens,), plan, loss_fn=next_token_loss)
     executor = pm.step_executor()
-    dispatch, most = executor.dispatch, {"output_grads": 0, "forward_sends": 0}
+    dispatch, most = executor.dispatch, {"output_grads": 0, "forward_sends": 0, "backward_sends": 0}
 
     def counting(e: Any, st: Any, *args: Any) -> None:
         most["output_grads"] = max(most["output_grads"], len(st.output_grads))
         most["forward_sends"] = max(most["forward_sends"], len(st.forward_sends))
+        most["backward_sends"] = max(most["backward_sends"], len(st.sends))
         dispatch(e, st, *args)
 
     executor.dispatch = counting
