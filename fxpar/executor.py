@@ -75,8 +75,8 @@ class StepState:
     output_grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)  # its outputs' grads, until B
     grads: GradSums = field(default_factory=lambda: GradSums([]))  # each stage's gradients summed over microbatches
     totals: dict[str, torch.Tensor] | None = None  # fqn -> gradient summed over this rank's stages
-    sends: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # SEND_B: awaited at wait_send(s)
-    forward_sends: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # awaited at their RECV_B
+    sends: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # SEND_B: at wait_SEND_B or wait_sends
+    forward_sends: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # at wait_SEND_F or RECV_B
     loss: torch.Tensor | None = None
     forward_only: bool = False  # an evaluation step (``forward_events``)
     trace: list[dict[str, Any]] = field(default_factory=list)
@@ -148,8 +148,8 @@ class StepExecutor(StepLosses):
             st.tangents[(e.stage - 1, e.mb)] = dict(zip([b.value for b in meta], self.recv(e), strict=True))
             for work in st.forward_sends.pop((e.stage - 1, e.mb), []):  # its gradient is back: the send arrived
                 work.wait()
-        elif e.kind == "wait_send":  # a later receive proved it arrived (``fxpar.schedules.arrivals``)
-            for work in st.sends.pop((e.stage, e.mb)):
+        elif e.kind in ("wait_SEND_F", "wait_SEND_B"):  # a receive proved it arrived (``fxpar.schedules.arrivals``)
+            for work in (st.forward_sends if e.kind == "wait_SEND_F" else st.sends).pop((e.stage, e.mb), []):
                 work.wait()
         elif e.kind == "wait_sends":
             for work in [w for works in (*st.sends.values(), *st.forward_sends.values()) for w in works]:

@@ -238,14 +238,14 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
     that finishes it (``backward`` or ``backward_w``) frees it; a ``B`` of a split backward adds its stash until its
     ``W``. Transfers: a received activation lives until its forward (or, saved, until its backward ends), a
     received gradient until that backward; a forward send holds its buffer until the gradient comes back (the
-    executor awaits it there), a backward send until the receive that proves it arrived (``wait_send``) or the
-    step's ``wait_sends``."""
+    executor awaits it there) and a backward send until the step's ``wait_sends``, unless a receive proves either
+    arrived earlier (``wait_SEND_F``, ``wait_SEND_B``)."""
     coord = c.mesh.coord(rank)
     live = peak = 0
     until_forward: dict[tuple[int, int], int] = {}
     until_backward: dict[tuple[int, int], int] = {}
     forward_sends: dict[tuple[int, int], int] = {}
-    back_sends: dict[tuple[int, int], int] = {}  # held until their wait_send, or the step's wait_sends
+    back_sends: dict[tuple[int, int], int] = {}  # held until their wait_SEND_B, or the step's wait_sends
     for e in rank_step(c, rank):
         after = 0  # freed once the event is over
         key = (e.stage, e.mb)
@@ -267,8 +267,10 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
         elif e.kind == "SEND_B":
             back_sends[key] = sum(cm.row.bytes for cm in e.comms)
             live += back_sends[key]
-        elif e.kind == "wait_send":
+        elif e.kind == "wait_SEND_B":
             after = back_sends.pop(key)
+        elif e.kind == "wait_SEND_F":
+            after = forward_sends.pop(key, 0)
         elif e.kind == "F":
             live += saved[e.stage]
             after = until_forward.pop(key, 0)

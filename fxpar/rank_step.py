@@ -12,8 +12,9 @@ names its events. A step is:
    tensors (activations forward, their gradients back), each with its exact
    ``torch.distributed`` tag and peer rank; a backward whose input gradient goes to another rank
    runs as ``B`` (that gradient), its ``SEND_B``, then ``W`` (the weight gradients: ``backward_halves``);
-   under ZeRO-2 a ``reduce`` follows every backward that produces parameter gradients; a ``wait_send``
-   follows the receive that proves a ``SEND_B`` arrived (``fxpar.schedules.arrivals``) and frees its tensor;
+   under ZeRO-2 a ``reduce`` follows every backward that produces parameter gradients; a ``wait_SEND_F`` or
+   ``wait_SEND_B`` follows the receive that proves that send arrived (``fxpar.schedules.arrivals``) and frees
+   its tensor;
 3. ``wait_sends`` (the sends not awaited yet), then (below ZeRO-2) one ``reduce`` per stage of the summed
    gradients;
 4. ``tied``: a weight held by stages on several pipeline ranks has its gradient summed over them;
@@ -35,7 +36,7 @@ from fxpar.backends.comm import COLLECTIVES, group_arg_index
 from fxpar.ir import Program
 from fxpar.lower import LedgerRow
 from fxpar.schedules import Action
-from fxpar.schedules.arrivals import backward_send_arrivals
+from fxpar.schedules.arrivals import send_arrivals
 from fxpar.split import splitter
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class Comm:
 class StepEvent:
     """One thing a rank does in a step, in order."""
 
-    kind: str  # gather | F | B | W | reduce | SEND_F | RECV_F | SEND_B | RECV_B | wait_send | wait_sends | tied | loss
+    kind: str  # gather F B W reduce SEND_F RECV_F SEND_B RECV_B wait_SEND_F wait_SEND_B wait_sends tied loss
     stage: int | None = None
     mb: int | None = None  # microbatch; None for once-per-step events
     graph: str = ""  # the stage graph it runs (``Compiled.stage_graph``); "" for transfers and once-per-step sums
@@ -97,8 +98,7 @@ def boundary_meta(prog: Program, coord: tuple[int, ...]) -> list[Boundary]:
 
 def rank_step(compiled: Compiled, rank: int, actions: list[Action] | None = None) -> list[StepEvent]:
     """Every event ``rank`` performs in one ``pm.step``, in order (``actions``: its schedule's, unless given)."""
-    arrivals = {} if actions is not None else backward_send_arrivals(compiled.schedule.actions,
-                                                                      compiled.pp_coord(rank))
+    arrivals = {} if actions is not None else send_arrivals(compiled.schedule.actions, compiled.pp_coord(rank))
     actions = actions if actions is not None else compiled.schedule.actions[compiled.pp_coord(rank)]
     stages = compiled.stage_of_rank(rank)
     memo: dict[Any, Any] = {}  # per (stage, graph) comms and per (stage, direction) boundaries: same every mb
@@ -106,7 +106,7 @@ def rank_step(compiled: Compiled, rank: int, actions: list[Action] | None = None
     has_w = compiled.schedule.has_w
     halves = backward_halves(compiled, rank, actions)
     after_send: dict[tuple[int, int], list[StepEvent]] = {}  # (stage, mb) -> the W that follows its SEND_B
-    sent_back: set[tuple[int, int]] = set()  # SEND_B issued so far: a wait_send follows only one of these
+    sent: set[tuple[str, int, int]] = set()  # sends issued so far: a wait_SEND_* follows only one of these
 
     def reduce_after(a: Action) -> list[StepEvent]:
         if not each_mb or compiled.rank_program(rank, a.stage).reduce_grads is None:
@@ -129,9 +129,9 @@ def rank_step(compiled: Compiled, rank: int, actions: list[Action] | None = None
         else:
             events.append(_transfer(compiled, rank, a, memo))
             events += after_send.pop((a.stage, a.mb), []) if a.kind == "SEND_B" else []
-            sent_back.update([(a.stage, a.mb)] if a.kind == "SEND_B" else [])
-            events += [StepEvent("wait_send", s, mb, label=f"await SEND_B{s}.{mb} ({a} proves it arrived)")
-                       for s, mb in arrivals.get((a.kind, a.stage, a.mb), []) if (s, mb) in sent_back]
+            sent.update([(a.kind, a.stage, a.mb)] if a.is_send else [])
+            events += [StepEvent(f"wait_{kind}", s, mb, label=f"await {kind}{s}.{mb} ({a} proves it arrived)")
+                       for kind, s, mb in arrivals.get((a.kind, a.stage, a.mb), []) if (kind, s, mb) in sent]
     assert not after_send, f"a split backward without its send: {sorted(after_send)}"
     events.append(StepEvent("wait_sends", label="wait for this step's sends"))
     if not each_mb:

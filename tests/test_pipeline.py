@@ -202,8 +202,8 @@ def test_a_step_holds_only_the_boundary_tensors_in_flight() -> None:
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1"])
 def test_memory_held_by_boundary_sends_does_not_grow_with_microbatches(schedule: str) -> None:
     """A backward send was held until the step's end, so a pipeline rank's activations grew with the microbatches
-    (on Megatron-LM's 1T layout: 512 microbatches x 2 stages x 105 MB, 100 GiB of a rank's 139). Each is now awaited
-    where a receive proves it arrived: at the same microbatch size, 16 microbatches hold what 4 do."""
+    (on Megatron-LM's 1T layout: 512 microbatches x 2 stages x 105 MB, 100 GiB of a rank's 139). Each send is now
+    awaited where a receive proves it arrived: at the same microbatch size, 16 microbatches hold what 4 do."""
     stages = 4 if schedule == "interleaved-1f1b" else 2
     held = []
     for m in (4, 16):
