@@ -106,7 +106,9 @@ def rank_step(compiled: Compiled, rank: int, actions: list[Action] | None = None
     has_w = compiled.schedule.has_w
     halves = backward_halves(compiled, rank, actions)
     after_send: dict[tuple[int, int], list[StepEvent]] = {}  # (stage, mb) -> the W that follows its SEND_B
-    sent: set[tuple[str, int, int]] = set()  # sends issued so far: a wait_SEND_* follows only one of these
+    # sends issued so far: a wait_SEND_* follows only one of these, and not a forward send's own gradient (its
+    # RECV_B awaits it already)
+    sent: set[tuple[str, int, int]] = set()
 
     def reduce_after(a: Action) -> list[StepEvent]:
         if not each_mb or compiled.rank_program(rank, a.stage).reduce_grads is None:
@@ -131,7 +133,8 @@ def rank_step(compiled: Compiled, rank: int, actions: list[Action] | None = None
             events += after_send.pop((a.stage, a.mb), []) if a.kind == "SEND_B" else []
             sent.update([(a.kind, a.stage, a.mb)] if a.is_send else [])
             events += [StepEvent(f"wait_{kind}", s, mb, label=f"await {kind}{s}.{mb} ({a} proves it arrived)")
-                       for kind, s, mb in arrivals.get((a.kind, a.stage, a.mb), []) if (kind, s, mb) in sent]
+                       for kind, s, mb in arrivals.get((a.kind, a.stage, a.mb), [])
+                       if (kind, s, mb) in sent and (kind, a.kind, a.stage, a.mb) != ("SEND_F", "RECV_B", s + 1, mb)]
     assert not after_send, f"a split backward without its send: {sorted(after_send)}"
     events.append(StepEvent("wait_sends", label="wait for this step's sends"))
     if not each_mb:
