@@ -22,8 +22,9 @@
   input gradient goes to another rank: ``fxpar.rank_step.backward_halves``) releases its set after its
   ``W`` (an upper bound: some of it dies at ``B``) and holds what ``W`` reads from ``B`` in between. Pipeline
   transfers count too: a received activation until its forward (until its backward ends when the forward
-  saves it), a received gradient until its backward, a sent activation until its gradient comes back, a sent
-  gradient until the step's sends are awaited;
+  saves it), a received gradient until its backward, a sent activation or gradient until a receive proves it
+  arrived (``fxpar.schedules.arrivals``; an activation at the latest when its gradient comes back), else until
+  the step's sends are awaited;
 * ``transient``: the largest set of temporaries alive at once inside one forward or backward graph,
   beyond its inputs (liveness over the graph's node order; a view is free; a backward's output cut from a
   larger buffer keeps the rest of it alive until the graph returns);

@@ -153,10 +153,15 @@ def backward_halves(compiled: Compiled, rank: int, actions: list[Action] | None 
     event (the weight gradients) follows the send, so the previous stage's backward starts a ``W`` earlier.
     Every node runs once either way, so the gradients are the fused backward's, bit for bit; the cost is the
     values ``W`` reads from ``B``, held from one to the other (``pm.memory`` counts them with the activations).
-    ``FXPAR_BACKWARD_HALVES=0`` at compile time keeps such a backward whole."""
+    That is every weight gradient's input of the stage, which under ``recompute`` is most of what recompute
+    frees (the fused backward recomputes and frees one block at a time): a plan that recomputes keeps its
+    backward whole unless the schedule has ``W`` actions. ``FXPAR_BACKWARD_HALVES=0`` at compile time keeps
+    such a backward whole too."""
     if compiled.schedule.has_w:
         return set(compiled.stage_of_rank(rank))
     if not compiled.sent_backward_halves:  # FXPAR_BACKWARD_HALVES=0 when the model was compiled
+        return set()
+    if compiled.plan.recompute is not None:  # memory first: halves would hold what recompute frees
         return set()
     actions = actions if actions is not None else compiled.schedule.actions[compiled.pp_coord(rank)]
     return {a.stage for a in actions if a.kind == "SEND_B"}

@@ -172,6 +172,29 @@ def test_a_sent_input_gradient_leaves_before_w_with_the_whole_backwards_gradient
         assert r["loss_diff"] == 0.0 and r["grad_diff"] == 0.0, (rank, r)
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_a_recomputing_plan_keeps_a_sent_backward_whole(recompute: str) -> None:
+    """Under 1F1B the last stage's backward runs as B, SEND_B, W only without recompute: W reads every weight
+    gradient's input from B, which is most of what recompute frees (the fused backward recomputes a block, runs
+    its backward and frees it). With recompute the backward stays whole and ``pm.memory`` holds what the same
+    plan holds with ``FXPAR_BACKWARD_HALVES=0``; without recompute the halves hold more (fake mesh)."""
+    from fxpar.compiled import HALVES_ENV
+
+    def compiled(plan: fxpar.Plan, halves: str = "1") -> fxpar.ParallelModule:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(HALVES_ENV, halves)
+            return fxpar.parallelize(llama(n_layers=4), fxpar.Mesh({"pp": 2}, fake=True), (_tokens(),),
+                                     plan=plan, loss_fn=next_token_loss)
+
+    plan = fxpar.Plan(schedule="1f1b", microbatches=4, recompute=recompute)
+    pm, whole = compiled(plan), compiled(plan, halves="0")
+    assert "W" not in [e.kind for e in pm.step_events(1)]
+    assert pm.memory(1).activations == whole.memory(1).activations
+    plain = fxpar.Plan(schedule="1f1b", microbatches=4)
+    assert "W" in [e.kind for e in compiled(plain).step_events(1)]
+    assert compiled(plain).memory(1).activations > compiled(plain, halves="0").memory(1).activations
+
+
 def test_b_hands_w_tensors_not_the_tuples_of_multi_output_nodes() -> None:
     """A LayerNorm's backward returns (input, weight, bias) gradients: B keeps the input gradient and hands W the
     other items one by one. Handing W the tuple ran eagerly, but Inductor (``compile=True``) compiles graphs that
