@@ -82,14 +82,11 @@ class Cluster:
         time a collective waits for peers the OS has not scheduled yet (threads and processes measure the same
         here: about 7 ms for groups of 4 and 2 ms for groups of 2 among 4 ranks on 2 cores). ``optimizer_overhead``
         is an eager AdamW step's cost per parameter tensor beyond its memory traffic.
+        The first measurement on a machine is kept on disk and read back by later processes, so a plan chosen on
+        it does not change from run to run (``fxpar.cluster_cache``; ``FXPAR_REMEASURE=1`` times it again).
         """
         if ranks not in _MEASURED:
-            from fxpar.measure import machine_fields
-
-            measured = Cluster(**machine_fields(ranks))
-            for calibrate in _CALIBRATIONS:
-                measured = calibrate(measured, ranks)
-            _MEASURED[ranks] = measured
+            _MEASURED[ranks] = _measured(ranks)
         return _MEASURED[ranks]
 
     def sync(self, group: int) -> float:
@@ -161,6 +158,25 @@ _A100 = Cluster(
 PRESETS = {c.name: c for c in (_H100, _A100)}
 _MEASURED: dict[int, Cluster] = {}
 _CALIBRATIONS: list[Callable[[Cluster, int], Cluster]] = []  # fxpar.calibrate (it needs the compiler)
+
+
+def _measured(ranks: int) -> Cluster:
+    """This machine as ``ranks`` ranks see it: read from the disk cache, else timed (and calibrated) and kept."""
+    from fxpar import cluster_cache
+
+    key = cluster_cache.machine_key(ranks, _CALIBRATIONS)
+    if not cluster_cache.remeasure() and (fields := cluster_cache.load(key)) is not None:
+        try:
+            return Cluster(**fields)
+        except (TypeError, ValueError, PlanError):  # an entry from other fields: measure again
+            pass
+    from fxpar.measure import machine_fields
+
+    measured = Cluster(**machine_fields(ranks))
+    for calibrate in _CALIBRATIONS:
+        measured = calibrate(measured, ranks)
+    cluster_cache.store(key, dataclasses.asdict(measured))
+    return measured
 
 
 def register_calibration(fn: Callable[[Cluster, int], Cluster]) -> None:

@@ -63,7 +63,11 @@ def test_presets_hold_datasheet_figures_and_place_groups_by_node() -> None:
         Cluster.preset("h100-sx", gpus=8)
 
 
-def test_measure_times_this_machine() -> None:
+def test_measure_times_this_machine(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from fxpar import cluster as cluster_module
+
+    monkeypatch.setenv("FXPAR_CACHE_DIR", str(tmp_path))  # a real timing, kept out of the user's cache
+    monkeypatch.setattr(cluster_module, "_MEASURED", {})
     c = Cluster.measure(ranks=2)
     assert c.device == "cpu" and c.gpus == 2 and set(c.collective_fit) == {2, 4}
     assert all(v > 0 for v in c.peak_flops.values()) and c.memory_bandwidth > 0
@@ -74,6 +78,39 @@ def test_measure_times_this_machine() -> None:
     assert c.optimizer_overhead > 0 and 0 < c.flops_fraction == c.hbm_fraction <= 1
     assert c.oversubscription == max(1.0, 2 / (os.cpu_count() or 1))
     assert not torch.distributed.is_initialized()  # the one-rank world it timed the runtime in is gone
+
+
+def test_a_measured_cluster_is_kept_on_disk_so_plans_do_not_change_between_runs(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The first ``Cluster.measure`` on a machine is written to ``$FXPAR_CACHE_DIR``; a later process (an empty
+    per-process cache here) reads the same cluster without timing anything; ``FXPAR_REMEASURE=1`` times again."""
+    import dataclasses
+
+    from fxpar import cluster as cluster_module
+    from fxpar import measure
+
+    timings = iter([0.5e-3, 0.9e-3])  # two different "measurements" of the link latency
+
+    def fields(ranks: int) -> dict:
+        base = dataclasses.asdict(Cluster.preset("a100-80g", gpus=ranks))
+        return {**base, "name": "this machine (measured)", "device": "cpu", "intra_latency": next(timings),
+                "collective_fit": {2: (1e-4, 1e9)}, "sync_cost": {2: 2e-3}}
+
+    monkeypatch.setenv("FXPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FXPAR_REMEASURE", raising=False)
+    monkeypatch.setattr(cluster_module, "_CALIBRATIONS", [])
+    monkeypatch.setattr(measure, "machine_fields", fields)
+    monkeypatch.setattr(cluster_module, "_MEASURED", {})
+    first = Cluster.measure(ranks=2)
+    assert first.intra_latency == 0.5e-3 and (tmp_path / "measured_clusters.json").exists()
+    monkeypatch.setattr(cluster_module, "_MEASURED", {})  # a new process
+    again = Cluster.measure(ranks=2)
+    assert again == first and again.peak_flops[torch.bfloat16] == 312e12 and again.collective_fit == {2: (1e-4, 1e9)}
+    monkeypatch.setattr(cluster_module, "_MEASURED", {})
+    monkeypatch.setenv("FXPAR_REMEASURE", "1")
+    assert Cluster.measure(ranks=2).intra_latency == 0.9e-3
+    monkeypatch.setattr(cluster_module, "_MEASURED", {})
+    monkeypatch.delenv("FXPAR_REMEASURE")
+    assert Cluster.measure(ranks=2).intra_latency == 0.9e-3  # the new timing replaced the entry
 
 
 # --- pm.estimate -----------------------------------------------------------------------------------------------
