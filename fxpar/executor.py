@@ -157,7 +157,7 @@ class StepExecutor(StepLosses):
             st.sends.clear()
             st.forward_sends.clear()
         elif e.kind == "tied":
-            dist.all_reduce(self.totals(st)[e.fqn], group=self.tie_groups[e.fqn])
+            self.all_reduce_tied(st, e.fqn)
         elif e.kind == "loss":
             st.loss = self.global_loss(st)
         else:
@@ -254,6 +254,17 @@ class StepExecutor(StepLosses):
         acc = st.grads.stage(s)
         names = [fqn for _, fqn in r.spec.deferred]
         st.grads.replace(s, dict(zip(names, r.reduce(*[acc[fqn] for fqn in names]), strict=True)))
+
+    def all_reduce_tied(self, st: StepState, fqn: str) -> None:
+        """Sum a tied parameter's gradient over the pipeline ranks that use it, in place. A collective reduces a
+        tensor's storage in memory order, so a gradient that is a transposed view (a head reading the tied weight
+        as ``w.t()`` inside a ``cat``) is reduced as a contiguous copy and written back: reduced as it lay, gloo
+        summed each rank's elements at the other's positions."""
+        grad = self.totals(st)[fqn]
+        flat = grad.contiguous()
+        dist.all_reduce(flat, group=self.tie_groups[fqn])
+        if flat is not grad:
+            grad.copy_(flat)
 
     def totals(self, st: StepState) -> dict[str, torch.Tensor]:
         """Each gradient summed over this rank's stages (once every reduction has run)."""

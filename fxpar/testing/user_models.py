@@ -332,3 +332,28 @@ class WeightNormedConvs(nn.Module):
 
 def weight_normed_convs() -> WeightNormedConvs:
     return WeightNormedConvs()
+
+
+class TiedTransposedHead(nn.Module):
+    """MobileBERT's MLM head: the decoder weight is the tied embedding read transposed and concatenated with an
+    extra projection (``h @ cat([emb.weight.t(), extra])``), so the head's gradient of the tied weight is a
+    transposed (non-contiguous) view."""
+
+    def __init__(self, vocab: int = 32, width: int = 8, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList([nn.Linear(2 * width if i else width, 2 * width) for i in range(layers)])
+        self.extra = nn.Parameter(torch.randn(width, vocab) * 0.1)
+        self.decoder = nn.Linear(width, vocab, bias=False)
+        self.decoder.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return h @ torch.cat([self.decoder.weight.t(), self.extra], 0)
+
+
+def tied_transposed_head() -> TiedTransposedHead:
+    torch.manual_seed(0)
+    return TiedTransposedHead()
