@@ -13,6 +13,12 @@ model does in it. Each cast sits inside the module that owns the parameter, so i
 pipeline stage and its repeated block are that module's; under ZeRO-3 ``gather_casts`` runs it on the
 dp shard, so the all-gather moves ``param_dtype`` bytes. ``computing_in`` is also what a single-device
 reference runs, so equivalence compares the same arithmetic.
+
+Batch normalization (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ``InstanceNorm`` with running statistics) keeps
+its parameters, running statistics and arithmetic in their own dtype: its input is cast up to it and its output
+back to ``param_dtype`` (apex AMP's ``keep_batchnorm_fp32``). Its statistics are sums over the batch that bf16
+cannot hold, and torch's kernels refuse a bf16 weight beside float32 running statistics (FSDP2 users wrap such
+modules in a float32 policy of their own).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.nn.modules.batchnorm import _NormBase
 
 
 @contextmanager
@@ -39,6 +46,11 @@ def computing_in(model: torch.nn.Module, param_dtype: torch.dtype | None) -> Ite
     scope = _CastScope(model, param_dtype)
     try:
         for module in model.modules():
+            if isinstance(module, _NormBase):
+                had = "forward" in module.__dict__
+                module.forward = _own_dtype_forward(module, module.forward, param_dtype)
+                patched.append((module, had))
+                continue
             names = [n for n, p in module._parameters.items()
                      if p is not None and p.is_floating_point() and p.dtype != param_dtype]
             root = module is model
@@ -78,7 +90,7 @@ class _CastScope:
         made: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         # every module, not only those holding parameters now: a repeated block's are off it while the model is
         # exported (``fxpar.taken_off``) and back on while its code runs
-        swapped = [(m, type(m)) for m in self.model.modules()]
+        swapped = [(m, type(m)) for m in self.model.modules() if not isinstance(m, _NormBase)]
         self.depth = 1
         try:
             for m, cls in swapped:
@@ -137,6 +149,23 @@ def _casting_forward(module: torch.nn.Module, forward: Callable[..., Any], names
 
     call.original = forward  # type: ignore[attr-defined]
     call.cast_key = (tuple(names), dtype, cast_inputs)  # type: ignore[attr-defined]  # all the closure depends on
+    return call
+
+
+def _own_dtype_forward(module: torch.nn.Module, forward: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
+    """A batch norm's ``forward`` in the dtype of its own tensors: floating inputs cast up to it, floating outputs
+    back to ``dtype`` (the module docstring)."""
+    own = next((t.dtype for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+                if t.is_floating_point()), None)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if own is None:
+            return forward(*args, **kwargs)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _cast_input(t, own), (args, kwargs))
+        return pytree.tree_map_only(torch.Tensor, lambda t: _cast_input(t, dtype), forward(*args, **kwargs))
+
+    call.original = forward  # type: ignore[attr-defined]
+    call.cast_key = ("own dtype", own, dtype)  # type: ignore[attr-defined]
     return call
 
 

@@ -209,3 +209,19 @@ def test_parameters_read_outside_their_modules_forward_are_cast_too() -> None:
     assert "_to_copy(layers_0_attn_out_proj_weight, dtype=torch.bfloat16)" in program
     assert "_to_copy(embed_weight, dtype=torch.bfloat16)" in program
     assert_equivalent(attention_encoder, {"dp": 2}, fxpar.Plan(zero=2, **MIXED), (tokens,), steps=2)
+
+
+@pytest.mark.parametrize("model_fn", ["tiny_resnet", "tiny_resnet_eval"])
+def test_batch_norm_keeps_float32_statistics_and_arithmetic(model_fn: str) -> None:
+    """BatchNorm under bf16 computes in its own float32 (input cast up, output back to bf16; apex's
+    ``keep_batchnorm_fp32``): torch's kernels refused a bf16 weight beside float32 running statistics, in the rank
+    program (evaluation mode) and in the single-device reference (training mode). dp=2 ZeRO-3 matches at bf16
+    tolerance; the BatchNorm parameters are gathered as float32, every other weight as bf16."""
+    from fxpar.testing import user_models
+
+    images = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    model = getattr(user_models, model_fn)
+    assert_equivalent(model, {"dp": 2}, fxpar.Plan(zero=3, **MIXED), (images,), steps=2)
+    pm = fxpar.parallelize(model(), fxpar.Mesh({"dp": 2}, fake=True), (images,), plan=fxpar.Plan(zero=3, **MIXED))
+    gathered = {r.dtype for r in pm.ledger(0) if r.op == "all_gather"}
+    assert gathered == {BF16, FP32}

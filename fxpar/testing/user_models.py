@@ -188,6 +188,12 @@ def tiny_resnet() -> TinyResNet:
     return TinyResNet()
 
 
+def tiny_resnet_eval() -> TinyResNet:
+    """``TinyResNet`` in evaluation mode: BatchNorm normalizes with its running statistics (fine-tuning a
+    pretrained backbone with frozen statistics)."""
+    return TinyResNet().eval()
+
+
 class RunningFeatures(nn.Module):
     """Buffers a forward updates besides BatchNorm's: an EMA of the features' batch mean (``mul_``/``add_``), a step
     counter (``+= 1``), and spectral normalization's power-iteration vectors (``torch.nn.utils.spectral_norm``)."""
