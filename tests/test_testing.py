@@ -77,6 +77,31 @@ def test_reports_carry_losses_and_comparisons() -> None:
             assert got == pytest.approx(want, rel=1e-5)
 
 
+def test_a_gradient_at_the_rounding_floor_may_move_its_parameter_but_a_wrong_update_is_caught() -> None:
+    """A key projection's bias has an exact gradient of zero (softmax ignores a shift of every score): each side
+    computes rounding noise (1e-8), and Adam's first step, ``lr * g / (|g| + eps)``, turns a noise difference of
+    3e-8 into 0.03 ``lr``, past the 2% of ``lr`` parameters are held to. The harness allows each element what its
+    own gradient difference can move it (``adam_sensitivity``): next to nothing where the gradient is large, so a
+    wrong update there is still caught. HF CLIP at dp=2 ZeRO-3 was flagged on ``k_proj.bias`` before."""
+    from fxpar.testing.equivalence import RankReport as Report
+    from fxpar.testing.equivalence import _compare, adam_sensitivity
+    from fxpar.testing.loss_models import clip_batch, hf_clip, model_loss
+    from fxpar.testing.tolerance import default_tolerance
+
+    grads = torch.tensor([1e-8, 0.1], dtype=torch.float64)
+    moved = adam_sensitivity(grads, torch.tensor([3e-8, 1e-6], dtype=torch.float64))
+    assert 0.02 < moved[0] < 0.04 and moved[1] < 1e-9
+    lr, tol = 1e-3, default_tolerance(torch.float32)
+    param_tol = type(tol)(tol.rtol, tol.param_lr_fraction * lr, tol.later_steps, tol.param_lr_fraction)
+    want = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    for got, flagged in (([0.5 + 0.03 * lr, 0.5], False), ([0.5, 0.5 + 0.5 * lr], True)):
+        report = Report(0)
+        _compare("p", torch.tensor(got, dtype=torch.float64), want, 0, param_tol, report, absolute=True,
+                 extra_atol=lr * moved)
+        assert bool(report.mismatches) == flagged, (got, report.mismatches)
+    assert_equivalent(hf_clip, {"dp": 2}, fxpar.Plan(zero=3), clip_batch(), loss_fn=model_loss, steps=2)
+
+
 def test_user_error_keeps_its_type() -> None:
     with pytest.raises(fxpar.PlanError, match=r"did you mean: up") as info:
         assert_equivalent(mlp, {"tp": 2}, {"upp": "colwise"}, (torch.randn(8, 32),))

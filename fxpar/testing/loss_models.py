@@ -123,3 +123,31 @@ class ContrastiveEncoder(nn.Module):
 
 def contrastive_encoder() -> ContrastiveEncoder:
     return ContrastiveEncoder()
+
+
+def hf_clip() -> nn.Module:
+    """HF ``CLIPModel`` (2 text and 2 vision layers, width 32, sdpa), its contrastive loss computed inside the model
+    (``return_loss=True``): every attention's key projection has a bias, whose exact gradient is zero."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config={"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "max_position_embeddings": 16, "projection_dim": 16,
+                     "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "image_size": 16, "patch_size": 4, "projection_dim": 16},
+        projection_dim=16)
+    config._attn_implementation = "sdpa"
+    return CLIPModel(config)
+
+
+def clip_batch(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(3, 128, (4, 8), generator=g),
+            "pixel_values": torch.randn(4, 3, 16, 16, generator=g), "return_loss": True}
+
+
+def model_loss(out: Any, targets: Any = None) -> torch.Tensor:
+    """The loss a model computed itself (``out["loss"]``)."""
+    return out["loss"]

@@ -13,7 +13,11 @@ single-device model's by rounding, never by more:
   into up to a few 1e-3 x ``lr`` of movement. Parameters are held to ``param_lr_fraction * lr``
   per step taken (2% of one step, in fp32), since each step can add its own. The harness runs
   AdamW with ``eps=1e-6``: with 1e-8 such an element can move anywhere within +-lr, which no
-  tolerance can tell from a bug.
+  tolerance can tell from a bug. Each element is also allowed what its own gradient difference can
+  move it (``fxpar.testing.equivalence.adam_sensitivity``: ``|dg| eps / (|g| + eps)^2`` steps of
+  ``lr``, summed over the steps, at most 2 a step): nothing measurable where the gradient is large,
+  up to a few % of ``lr`` where the exact gradient is zero and both sides compute noise (a key
+  projection's bias: softmax ignores a shift of every score).
 * **Outputs and gradients at later steps** are computed from parameters that may differ by that
   bound, summed over a fan-in of tens to hundreds: fp32 1e-4. A missing or doubled reduction is
   still an O(1) relative error.
