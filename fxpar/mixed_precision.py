@@ -14,7 +14,7 @@ pipeline stage and its repeated block are that module's; under ZeRO-3 ``gather_c
 dp shard, so the all-gather moves ``param_dtype`` bytes. ``computing_in`` is also what a single-device
 reference runs, so equivalence compares the same arithmetic.
 
-Batch normalization (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ``InstanceNorm`` with running statistics) keeps
+Batch normalization (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ``InstanceNorm``: torch's ``_NormBase`` modules) keeps
 its parameters, running statistics and arithmetic in their own dtype: its input is cast up to it and its output
 back to ``param_dtype`` (apex AMP's ``keep_batchnorm_fp32``). Its statistics are sums over the batch that bf16
 cannot hold, and torch's kernels refuse a bf16 weight beside float32 running statistics (FSDP2 users wrap such
