@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fxpar.grad_sums import GradSums
 from fxpar.rank_spec import RankSpec, StageSpec
 from fxpar.rank_step import StepEvent
-from fxpar.step_loss import StepLosses
+from fxpar.step_loss import StepLosses, transfer_device
 
 
 class StageRunner:
@@ -102,6 +102,7 @@ class StepExecutor(StepLosses):
         self.checked_split_mean = False  # ``fxpar.loss_watch.split_mean_gap``: tested once per module
         self.rank, self.m = spec.rank, spec.microbatches
         self.recv_meta = spec.recv_meta
+        self.device = transfer_device()  # received buffers, a missing gradient's zeros, the loss of a rank without one
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, mb_inputs: list[list[Any]], mb_targets: list[Any], trace: str | None,
@@ -198,7 +199,8 @@ class StepExecutor(StepLosses):
         out = []
         for idx in r.tangent_outputs:
             g = grads[idx]
-            out.append(g if g is not None else torch.zeros(r.out_meta[idx][0], dtype=r.out_meta[idx][1]))
+            out.append(g if g is not None else torch.zeros(r.out_meta[idx][0], dtype=r.out_meta[idx][1],
+                                                           device=self.device))
         return out
 
     def backward(self, s: int, mb: int, st: StepState, halves: bool) -> None:
@@ -283,7 +285,7 @@ class StepExecutor(StepLosses):
     def recv(self, e: StepEvent) -> list[torch.Tensor]:
         out = []
         for c in e.comms:
-            buf = torch.empty(c.shape, dtype=c.dtype)
+            buf = torch.empty(c.shape, dtype=c.dtype, device=self.device)
             dist.irecv(buf, c.ranks[0], tag=c.tag).wait()
             out.append(buf)
         return out

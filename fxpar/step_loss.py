@@ -20,13 +20,22 @@ if TYPE_CHECKING:
     from fxpar.executor import StepState
 
 
+def transfer_device() -> torch.device:
+    """Where a rank's pipeline transfers and step-loss reduction run: the current CUDA device when the default
+    process group is NCCL's (which takes no CPU tensor), else the CPU."""
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class StepLosses:
-    """Mixin of ``StepExecutor``: reads ``loss_fn``, ``spec``, ``m``, ``warned_uneven_mean`` and
+    """Mixin of ``StepExecutor``: reads ``loss_fn``, ``spec``, ``m``, ``device``, ``warned_uneven_mean`` and
     ``checked_split_mean``."""
 
     loss_fn: Any
     spec: Any
     m: int
+    device: torch.device
     warned_uneven_mean: bool
     checked_split_mean: bool
 
@@ -67,7 +76,7 @@ class StepLosses:
 
     def global_loss(self, st: StepState) -> torch.Tensor:
         """The mean loss over microbatches and dp ranks, on every rank (one world all-reduce of a scalar)."""
-        value = torch.zeros((), dtype=torch.float64)
+        value = torch.zeros((), dtype=torch.float64, device=self.device)  # a rank without the last stage
         if st.losses:
             value = torch.stack([loss.double() for loss in st.losses.values()]).mean() / self.spec.loss_divisor
             value = value * self.spec.batch_weight

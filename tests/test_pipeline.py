@@ -362,3 +362,16 @@ def test_simulate_with_cost_model_and_measured_costs(tmp_path) -> None:  # noqa:
     measured = costs_from_trace(path)
     assert set(measured) == {(k, s) for k in "FB" for s in (0, 1)} and all(c > 0 for c in measured.values())
     assert 0 <= make_schedule("1f1b", 2, 2, 2).simulate(measured).bubble < 1
+
+
+def test_pipeline_transfers_and_the_step_loss_live_on_the_nccl_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Received activations, a missing gradient's zeros and the step loss of a rank without the last stage were
+    allocated on the CPU: NCCL takes no CPU tensor, so pp > 1 on CUDA failed on its first receive. They follow the
+    default process group's backend now (no GPU here: the choice itself is checked)."""
+    from fxpar import step_loss
+
+    monkeypatch.setattr(step_loss.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(step_loss.torch.cuda, "current_device", lambda: 3)
+    assert step_loss.transfer_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(step_loss.dist, "get_backend", lambda group=None: "gloo")
+    assert step_loss.transfer_device() == torch.device("cpu")
