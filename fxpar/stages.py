@@ -174,15 +174,35 @@ def _reused_note(model: torch.nn.Module) -> str:
 
 def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,
                   cost: Callable[[fx.Node], float] = node_cost) -> tuple[list[str], list[float]]:
-    """Split points for ``n_stages`` cost-balanced stages, at block boundaries (min over splits of max stage cost)."""
+    """Split points for ``n_stages`` cost-balanced stages, at block boundaries (min over splits of max stage cost).
+    A model without a list of repeated blocks (a CNN, a recurrent net, an encoder and a head) is split at the
+    boundaries of the modules its data flows through (``call_order_modules``); one with fewer blocks than stages is
+    refused."""
     blocks = block_paths(model)
+    repeated = _repeated(model, blocks)
+    if not repeated and (split := _balanced_at_module_boundaries(gm, n_stages, cost)) is not None:
+        return split
     if n_stages > max(len(blocks), 1):
         found = (f"the {len(blocks)} splittable blocks of {type(model).__name__} ({', '.join(blocks[:3])}"
                  f"{', ...' if len(blocks) > 3 else ''}{_reused_note(model)})" if blocks else
                  f"the splittable blocks of {type(model).__name__}: it has no nn.ModuleList, nn.Sequential or "
                  "nn.ModuleDict of repeated blocks (a block applied several times is one module)")
-        raise PlanError(f"stages={n_stages} is more than {found}; use fewer stages, or name the modules that start "
-                        "each stage (Plan(stages=[...]))")
+        through = "" if repeated else f", and its data flows through fewer than {n_stages} submodules"
+        raise PlanError(f"stages={n_stages} is more than {found}{through}; use fewer stages, or name the modules that "
+                        "start each stage (Plan(stages=[...]))")
+    return _balanced(gm, blocks, n_stages, cost)
+
+
+def _repeated(model: torch.nn.Module, blocks: list[str]) -> bool:
+    """Whether two of ``blocks`` are alike (a list of layers, not a ``Sequential(conv, norm, relu)`` that won the
+    search for want of one)."""
+    structures = [_structure(model.get_submodule(b)) for b in blocks]
+    return len(set(structures)) < len(structures)
+
+
+def _balanced(gm: fx.GraphModule, blocks: list[str], n_stages: int,
+              cost: Callable[[fx.Node], float]) -> tuple[list[str], list[float]]:
+    """The starts among ``blocks`` (in call order) whose largest stage cost is smallest, and each stage's cost."""
     stage = assign_stages(gm.graph, blocks[1:])
     seg_costs = [0.0] * len(blocks)
     for n, s in stage.items():
@@ -191,6 +211,34 @@ def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,
     starts = [blocks[c] for c in cuts]
     bounds = [0, *cuts, len(blocks)]
     return starts, [sum(seg_costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def call_order_modules(graph: fx.Graph, depth: int) -> list[str]:
+    """The module paths, cut to ``depth`` components, of the nodes that compute on the model's inputs, in the order
+    they are first called; a module whose own forward computes beside its children's gives way to them."""
+    order: dict[str, None] = {}
+    data = data_nodes(graph)
+    for n in graph.nodes:
+        if n.op == "call_function" and n in data and (path := module_path(n)):
+            order.setdefault(".".join(path.split(".")[:depth]), None)
+    return [p for p in order if not any(o.startswith(p + ".") for o in order)]
+
+
+def _balanced_at_module_boundaries(gm: fx.GraphModule, n_stages: int,
+                                   cost: Callable[[fx.Node], float]) -> tuple[list[str], list[float]] | None:
+    """Cost-balanced starts among the modules the data flows through (``call_order_modules``), at the shallowest
+    depth whose largest stage is within 10% of the best any depth gives (deeper cuts can fall inside a residual
+    block, so that its skip crosses the boundary); None when the model has too few such modules."""
+    deepest = max((module_path(n).count(".") + 1 for n in gm.graph.nodes if module_path(n)), default=0)
+    options = []
+    for depth in range(1, deepest + 1):
+        modules = call_order_modules(gm.graph, depth)
+        if len(modules) >= n_stages:
+            options.append(_balanced(gm, modules, n_stages, cost))
+    if not options:
+        return None
+    best = min(max(costs) for _, costs in options)
+    return next(o for o in options if max(o[1]) <= 1.1 * best)
 
 
 def _balanced_cuts(costs: list[float], k: int) -> list[int]:

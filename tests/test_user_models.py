@@ -9,6 +9,7 @@ import torch
 
 import fxpar
 from fxpar.testing import assert_equivalent
+from fxpar.testing.loss_models import mean_square
 from fxpar.testing.titan_llama import TITAN_TP, titan_llama, token_cross_entropy
 from fxpar.testing.user_models import (
     SHARED_LAYERS_TP,
@@ -98,8 +99,9 @@ def test_a_block_shared_by_every_layer_leaves_the_model_as_it_was_and_matches() 
     restores a module that sits under several paths with the fake tensor it swapped in last, so compiling left the
     user's block holding fake parameters, and the rank programs ran on them (a gloo size mismatch, or garbage).
     ``fxpar.reparametrize.swapped_in`` puts back the very objects. dp=2 ZeRO-1 and tp=2 on the shared block's
-    projections (its gradient sums four layers' contributions) match the single device (fp32, rtol 1e-5); a
-    pipeline split is refused, naming the reuse."""
+    projections (its gradient sums four layers' contributions) match the single device (fp32, rtol 1e-5). Under
+    pipeline stages the uses split at their call boundaries (``layers.2``): both stages hold the block, whose
+    gradient is summed across them as a tied weight's is; pp=2 matches too."""
     tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
     model = shared_layers()
     before = {name: p for name, p in model.named_parameters()}
@@ -107,9 +109,11 @@ def test_a_block_shared_by_every_layer_leaves_the_model_as_it_was_and_matches() 
     assert all(p is before[name] for name, p in model.named_parameters())
     assert_equivalent(shared_layers, {"dp": 2}, fxpar.Plan(zero=1), (tokens,), steps=2)
     assert_equivalent(shared_layers, {"tp": 2}, fxpar.Plan(tp=SHARED_LAYERS_TP), (tokens,), steps=2)
-    with pytest.raises(fxpar.PlanError, match="4 entries but only 1 distinct module"):
-        fxpar.parallelize(model, fxpar.Mesh({"pp": 2}, fake=True), (tokens,), plan=fxpar.Plan(stages=2),
-                          loss_fn=lambda out: out.square().mean())
+    pm = fxpar.parallelize(model, fxpar.Mesh({"pp": 2}, fake=True), (tokens,), plan=fxpar.Plan(stages=2),
+                           loss_fn=mean_square)
+    assert pm.plan.notes["stage starts"] == "layers.2"
+    assert_equivalent(shared_layers, {"pp": 2}, fxpar.Plan(stages=2, microbatches=2), (tokens,), loss_fn=mean_square,
+                      steps=2)
 
 
 def test_weight_normalized_convolutions_reduce_their_gradients_with_the_others() -> None:
@@ -136,3 +140,22 @@ def test_a_tied_weight_read_transposed_gets_its_whole_gradient_across_stages() -
                        ({"pp": 2, "dp": 2}, fxpar.Plan(stages=2, microbatches=2, zero=3))):
         assert_equivalent(tied_transposed_head, axes, plan, (tokens,), loss_fn=token_cross_entropy, targets=targets,
                           steps=2)
+
+
+def test_a_model_without_repeated_blocks_splits_at_the_modules_its_data_flows_through() -> None:
+    """``Plan(stages=2)`` on a model with no list of repeated layers was a PlanError, or (a U-Net, whose
+    ``Sequential(conv, BatchNorm, ReLU)`` won the search for a block list) a split inside its first convolution
+    block. Such a model now splits, cost-balanced, at the boundaries of the submodules its data flows through, at
+    the shallowest depth that balances within 10%: the U-Net after its upsampling, a convolution-GroupNorm classifier
+    after the convolution; the classifier at pp=2 matches the single device (fp32, rtol 1e-5)."""
+    images = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 2, (4, 8, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(fxpar.FxparWarning, match="draws random numbers"):  # its Dropout2d, under pipeline stages
+        pm = fxpar.parallelize(segmentation_net(), fxpar.Mesh({"pp": 2}, fake=True), (images,),
+                               plan=fxpar.Plan(stages=2, microbatches=2), loss_fn=torch.nn.functional.cross_entropy,
+                               example_targets=labels)
+    assert pm.plan.notes["stage starts"] == "drop"
+    x = torch.randn(4, 8, 10, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(1))
+    assert_equivalent(temporal_conv, {"pp": 2}, fxpar.Plan(stages=2, microbatches=2), (x,),
+                      loss_fn=torch.nn.functional.cross_entropy, targets=y, steps=2)
