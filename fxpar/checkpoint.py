@@ -47,11 +47,13 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
     parameter or buffer name the module has (the message names it and the closest saved names).
     """
     check_names(module, path)
-    state = {"model": get_model_state_dict(module)}
+    full = get_model_state_dict(module)
+    source = _one_name_per_tensor(module, full, set(saved_shapes(path)))
+    state = {"model": {name: full[name] for name in set(source.values())}}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(module, optimizer)
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(module, state["model"])
+    set_model_state_dict(module, {name: state["model"][source[name]] for name in full})
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, state["optim"])
 
@@ -84,7 +86,7 @@ def check_names(module: torch.nn.Module, path: str) -> None:
     shapes = saved_shapes(path)
     have = sorted(shapes)
     expected = get_model_state_dict(module)
-    missing = sorted(set(expected) - set(have))
+    missing = sorted(set(_one_name_per_tensor(module, expected, set(have)).values()) - set(have))
     message = _describe(missing, have, path) if missing else _wrong_shape(expected, shapes, path)
     if dist.is_available() and dist.is_initialized():
         messages: list[str] = [""] * dist.get_world_size()
@@ -94,6 +96,23 @@ def check_names(module: torch.nn.Module, path: str) -> None:
             message = f"rank(s) {bad} cannot load {path!r}: {messages[bad[0]]}"
     if message:
         raise CheckpointError(message)
+
+
+def _one_name_per_tensor(module: torch.nn.Module, names: dict[str, object], saved: set[str]) -> dict[str, str]:
+    """Each name of ``names`` -> the name its tensor is loaded under: a tied weight (``head.weight`` is
+    ``embed.weight``) is one tensor under several names, and a ``ParallelModule`` saves it under one of them (the
+    first ``named_parameters`` gives), so it loads from whichever of its names the checkpoint holds (the first
+    name when none). The values of the returned mapping are the names to read; every other name is an alias."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in (*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)):
+        if name in names:
+            groups.setdefault(id(tensor), []).append(name)
+    out = {name: name for name in names}
+    for group in groups.values():
+        source = next((n for n in group if n in saved), group[0])
+        out.update(dict.fromkeys(group, source))
+    return out
 
 
 def _wrong_shape(expected: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...] | None], path: str) -> str:

@@ -71,3 +71,20 @@ def test_a_checkpoint_whose_names_do_not_match_is_a_clear_error(saved: tuple[str
     with pytest.raises(fxpar.CheckpointError, match=r"has no parameter 'net\.\S+' \(and \d+ more\).*closest saved"):
         checkpoint.load(Wrapped(), None, folder)
     checkpoint.load(MODEL(), None, folder)  # the right names load
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_tied_weight_saved_under_one_name_loads_into_the_plain_model(tmp_path) -> None:  # noqa: ANN001
+    """A ``ParallelModule`` holds a tied weight once (``embed.weight``; the head's ``lm_head.weight`` is the same
+    tensor), so its checkpoint has one name for it, and ``checkpoint.load`` into the plain model (whose state dict
+    lists both) failed: "no parameter 'lm_head.weight'". Whisper, XLM-R and GPT-2 tie their heads. The tied tensor
+    loads from whichever of its names the checkpoint holds, bit-identical to the trained one."""
+    tied = partial(llama, n_layers=2, vocab_size=128, tie_embeddings=True)
+    folder = str(tmp_path / "ckpt")
+    before = default_pool().run(checkpoint_round, 2, folder, True, tied, {"dp": 2}, fxpar.Plan(zero=3), TOKENS,
+                                next_token_loss, 2, 0, timeout=300)[0]
+    model = tied()
+    assert len(model.state_dict()) > len(before["params"])  # the plain model names the tied weight twice
+    checkpoint.load(model, None, folder)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before["params"][name]), name
