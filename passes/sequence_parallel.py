@@ -18,33 +18,40 @@ def sequence_parallel(prog: Program, ctx: Context) -> Program:
     Requires: an annotated Program; ``ctx.plan.sequence_parallel`` with a tp axis of size > 1
     (checked by the Plan); the model's activations laid out ``[batch, seq, hidden]``.
     Ensures: ``notes["sequence_parallel"]`` = the names of every floating-point node, forward and
-    backward, of shape ``[b, s, h]`` where ``s`` is the sequence length of the first input and ``h``
-    a hidden width of the tp plan (the ``in_features`` of a colwise Linear or the ``out_features``
-    of a rowwise one): the residual stream, its norms, dropouts and adds, and their gradients.
+    backward, of shape ``[b, s, h]`` where ``h`` is a hidden width of the tp plan (the ``in_features`` of a
+    colwise Linear or the ``out_features`` of a rowwise one) and ``s`` a length tp divides: the residual
+    stream, its norms, dropouts and adds, and their gradients. The lengths are read from those values, not
+    from an input (a ViT's first input is an image; an encoder-decoder has two streams of two lengths).
     ``propagate`` charges a replicated placement of these values on tp as if it moved their bytes,
     so the cheapest program keeps them sequence-sharded: the input of a colwise Linear is then
     all-gathered (not sliced from a replica) and a rowwise Linear's partial output is
     reduce-scattered (not all-reduced), the two collectives each Megatron SP block boundary needs.
-    A sequence length tp does not divide, or a plan with no colwise/rowwise ``nn.Linear``, turns it off
-    with a ``FxparWarning`` (a correct program,
-    without the saving). Without ``sequence_parallel`` the Program is returned unchanged.
+    A plan with no colwise/rowwise ``nn.Linear``, or no such value whose length tp divides, turns it off
+    with a ``FxparWarning`` (a correct program, without the saving); a length tp does not divide (a ViT's
+    pooled class token, ``[b, 1, h]``) stays replicated. Without ``sequence_parallel`` the Program is
+    returned unchanged.
     """
     if not ctx.plan.sequence_parallel:
         return prog
+    off = prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": frozenset()})
     widths = hidden_widths(ctx.modules, prog.notes.get("plan", {}))
-    first = prog.node(prog.signature.inputs[0]).meta["val"] if prog.signature.inputs else None
-    if not widths or first is None or first.ndim < 2:
-        warnings.warn("fxpar: sequence_parallel is off: it needs [batch, seq, ...] inputs and a tp plan with colwise "
-                      "or rowwise nn.Linear modules (their widths name the residual stream)", FxparWarning,
+    shaped = [(n.name, v.shape[1]) for n in prog.graph.nodes
+              if n.op == "call_function" and _is_stream(v := _stream_value(n), widths)]
+    if not shaped:
+        warnings.warn("fxpar: sequence_parallel is off: it needs [batch, seq, hidden] activations and a tp plan with "
+                      "colwise or rowwise nn.Linear modules (their widths name the residual stream)", FxparWarning,
                       stacklevel=2)
-        return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": frozenset()})
-    seq, tp = first.shape[1], prog.mesh.axes["tp"]
-    if seq % tp:
-        warnings.warn(f"fxpar: sequence_parallel is off: the sequence length {seq} is not divisible by tp={tp} "
-                      "(activations stay replicated over tp, as without it)", FxparWarning, stacklevel=2)
-        return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": frozenset()})
-    stream = frozenset(n.name for n in prog.graph.nodes
-                       if n.op == "call_function" and _is_stream(_stream_value(n), seq, widths))
+        return off
+    tp = prog.mesh.axes["tp"]
+    lengths = {length for _, length in shaped if length % tp == 0}
+    if not lengths:
+        found = sorted({length for _, length in shaped if length > 1}) or [1]  # [b, 1, h]: a pooled token
+        what = f"sequence length {found[0]}" if len(found) == 1 else f"sequence lengths {', '.join(map(str, found))}"
+        warnings.warn(f"fxpar: sequence_parallel is off: the {what} {'is' if len(found) == 1 else 'are'} not "
+                      f"divisible by tp={tp} (the [batch, seq, hidden] activations stay replicated over tp, as without "
+                      "it)", FxparWarning, stacklevel=2)
+        return off
+    stream = frozenset(name for name, length in shaped if length in lengths)
     return prog.replace("sequence_parallel", notes={**prog.notes, "sequence_parallel": stream})
 
 
@@ -62,9 +69,9 @@ def hidden_widths(modules: ModuleTable, styles: dict[str, str]) -> set[int]:
     return widths
 
 
-def _is_stream(val: object, seq: int, widths: set[int]) -> bool:
+def _is_stream(val: object, widths: set[int]) -> bool:
     return (isinstance(val, torch.Tensor) and val.ndim == 3 and val.dtype.is_floating_point
-            and val.shape[1] == seq and val.shape[2] in widths)
+            and val.shape[2] in widths)
 
 
 def _stream_value(n: torch.fx.Node) -> object:

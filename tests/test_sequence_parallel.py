@@ -159,3 +159,23 @@ def test_a_plan_without_tp_linears_turns_it_off_with_a_warning() -> None:
     with pytest.warns(fxpar.FxparWarning, match="sequence_parallel is off: it needs"):
         fxpar.parallelize(llama(n_layers=1, vocab_size=128), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
                           plan=fxpar.Plan(sequence_parallel=True))
+
+
+def test_the_sequence_length_is_read_from_the_stream_not_from_the_first_input() -> None:
+    """An image encoder's first input is ``[batch, channels, h, w]``: SP took its dim 1 (3 channels) for the
+    sequence length, warned "the sequence length 3 is not divisible by tp=2" and stayed off (with 4 channels it
+    stayed off silently). The lengths come from the ``[batch, seq, hidden]`` values now: 4 patches, so every block
+    boundary reduce-scatters and all-gathers, and tp=2 and dp=2 x tp=2 match the single device (fp32, rtol 1e-5)."""
+    import warnings
+
+    from fxpar.testing.user_models import patch_encoder
+
+    image = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    plan = fxpar.Plan(tp={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}, sequence_parallel=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxpar.FxparWarning)
+        pm = fxpar.parallelize(patch_encoder(), fxpar.Mesh({"tp": 2}, fake=True), (image,), plan=plan)
+    ops = {(r.op, r.phase) for r in pm.ledger(0)}
+    assert {("reduce_scatter", "fwd"), ("all_gather", "fwd")} <= ops
+    for axes in ({"tp": 2}, {"dp": 2, "tp": 2}):
+        assert_equivalent(patch_encoder, axes, plan, (image,), steps=2)
