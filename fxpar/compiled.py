@@ -275,7 +275,7 @@ def _compile_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages:
     """Capture the stages (through ``memo``: ``fxpar.capture_memo``), then run the passes on each."""
     captured, split, out_spec = memo(lambda: with_shared_blocks(
         lambda share: _capture_stages(model, mesh, flat, stages, ctx, share)))
-    captured = [_with_sequence(prog.replace(mesh=mesh), flat) for prog in captured]
+    captured = [_with_batch(_with_sequence(prog.replace(mesh=mesh), flat), flat) for prog in captured]
     programs = [run_pipeline(prog, ctx) for prog in captured]
     total = sum(split.costs) or 1.0
     notes = {"stage starts": ", ".join(split.starts),
@@ -338,6 +338,14 @@ def _with_sequence(prog: Program, user_inputs: list[Any]) -> Program:
         return prog
     seq = next((x.shape[1] for x in user_inputs if isinstance(x, torch.Tensor) and x.ndim >= 2), None)
     return prog.replace(notes={**prog.notes, "sequence": seq})
+
+
+def _with_batch(prog: Program, user_inputs: list[Any]) -> Program:
+    """Record the global batch (dim 0 of the first user input) in ``notes["batch"]``: a later pipeline stage reads
+    no user input, and a batch dp does not divide (5 on dp=2) is split as ``fxpar.split`` says only if the stage
+    knows it is the batch (``passes.annotate`` places received values by it)."""
+    batch = next((x.shape[0] for x in user_inputs if isinstance(x, torch.Tensor) and x.ndim >= 1), None)
+    return prog.replace(notes={**prog.notes, "batch": batch})
 
 
 def _boundary_arg(gm: torch.fx.GraphModule, name: str, exported: Any) -> torch.Tensor:

@@ -64,7 +64,8 @@ def annotate(prog: Program, ctx: Context) -> Program:
         if not isinstance(val, torch.Tensor):  # a non-tensor input (None, a flag): a constant, nothing to place
             continue
         if i < received:  # a stage boundary: placed as the previous stage's output was (batch_placements)
-            placements[name] = batch_placements(val, mesh, seq=sequence_length(prog), sp_seq=sp_boundary(prog, ctx))
+            placements[name] = batch_placements(val, mesh, batch=prog.notes.get("batch"), seq=sequence_length(prog),
+                                                sp_seq=sp_boundary(prog, ctx))
             continue
         # the batch: dim 0 of the first input, and of every input as long (a [1, s] position table is not)
         batch = Shard(0) if val.ndim >= 1 and val.shape[0] == global_batch else Replicate()

@@ -78,3 +78,17 @@ def test_uneven_batch_pieces_are_tensor_split() -> None:
         inputs = [n for n in pm.rank_program(rank).forward.graph.nodes if n.op == "placeholder" and "input" in n.name]
         assert tuple(inputs[0].meta["val"].shape) == (rows, 16)
         assert f"mul(tangents_1, {rows / 6})" in pm.program(rank).replace("aten.mul.Tensor", "mul")
+
+
+def test_batch_of_5_on_pp2_x_dp2_splits_the_received_activations_as_the_first_stage_does() -> None:
+    """The second stage reads no user input, so it did not know dim 0 of what it receives is the batch: a batch dp
+    does not divide (5 on dp=2) was compiled replicated there (f32[5, ...]) while the first stage sent 3 and 2 rows,
+    and the step failed in a reshape. Every stage now records the global batch (``notes["batch"]``) and places
+    received values by it; the step matches the single device (fp32, rtol 1e-5)."""
+    tokens = torch.randint(0, 130, (5, 16), generator=torch.Generator().manual_seed(0))
+    model_fn = partial(llama, n_layers=2, vocab_size=130)
+    pm = fxpar.parallelize(model_fn(), fxpar.Mesh({"pp": 2, "dp": 2}, fake=True), (tokens,),
+                           plan=fxpar.Plan(stages=2, microbatches=1), loss_fn=next_token_loss)
+    assert "f32[5," not in pm.program(rank=2)
+    assert_equivalent(model_fn, {"pp": 2, "dp": 2}, fxpar.Plan(stages=2, microbatches=1), (tokens,), steps=2,
+                      loss_fn=next_token_loss, targets=tokens)
