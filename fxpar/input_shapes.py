@@ -14,14 +14,14 @@ import torch
 
 from fxpar.compiled import Compiled
 
-LocalShapes = list[tuple[int, tuple[int, ...]]]  # (flat user input index, its local shape per microbatch)
+LocalShapes = list[tuple[int, tuple[int, ...], torch.dtype]]  # (flat user input, local shape per microbatch, dtype)
 
 
 def local_input_shapes(compiled: Compiled, rank: int) -> LocalShapes:
     """Each flat user input a stage of ``rank`` reads, with the local shape of one microbatch of it (the rank
     forward's placeholder after the parameters, buffers and received values). Inputs no stage of the rank reads
     (a pipeline's later stages read none) are not listed."""
-    shapes: dict[int, tuple[int, ...]] = {}
+    shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
     for s in compiled.stage_of_rank(rank):
         prog, rp = compiled.stages[s], compiled.rank_program(rank, s)
         info = prog.notes.get("stage")
@@ -31,18 +31,22 @@ def local_input_shapes(compiled: Compiled, rank: int) -> LocalShapes:
         for i, node in zip(reads, placeholders, strict=False):
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
-                shapes.setdefault(i, tuple(val.shape))
-    return sorted(shapes.items())
+                shapes.setdefault(i, (tuple(val.shape), val.dtype))
+    return [(i, shape, dtype) for i, (shape, dtype) in sorted(shapes.items())]
 
 
 def check_local_inputs(shapes: LocalShapes, flat: list[Any], microbatches: int, rank: int, dp: int,
                        call: str) -> None:
     """Raise ``ValueError`` naming the first tensor input of ``flat`` whose shape is not what ``rank``'s program
-    takes (``microbatches`` of them along dim 0 for ``pm.step``)."""
-    for i, per_microbatch in shapes:
+    takes (``microbatches`` of them along dim 0 for ``pm.step``), or that is floating where the program takes
+    integers or the other way round (float token ids failed inside the rank program, in torch's embedding)."""
+    for i, per_microbatch, dtype in shapes:
         x = flat[i] if i < len(flat) else None
         if not isinstance(x, torch.Tensor):
             continue
+        if x.dtype.is_floating_point != dtype.is_floating_point or (x.dtype == torch.bool) != (dtype == torch.bool):
+            raise ValueError(f"{call}: input {i} has dtype {x.dtype}, but rank {rank}'s program was compiled for "
+                             f"{dtype} (the dtype example_inputs had)")
         want = (per_microbatch[0] * microbatches, *per_microbatch[1:]) if per_microbatch else ()
         if tuple(x.shape) != want:
             share = (f"its share of the batch over dp={dp} (dim 0; example_inputs hold the global batch, and each "

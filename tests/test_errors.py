@@ -218,6 +218,14 @@ def test_the_global_batch_where_a_rank_takes_its_shard_is_refused_by_name(how: s
     assert "'ran'" not in msg
 
 
+def test_float_token_ids_are_refused_by_name() -> None:
+    # they failed inside the rank program, in torch's embedding, pointing at generated code
+    with pytest.raises(RankFailure) as info:
+        run_ranks(error_models.call_with_the_global_batch, 2, "float", timeout=120, collective_timeout=20)
+    msg = str(info.value)
+    assert "pm(...): input 0 has dtype torch.float32, but rank 0's program was compiled for torch.int64" in msg, msg
+
+
 def test_rank_dies_mid_step() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:

@@ -138,7 +138,8 @@ def step_with_a_non_scalar_loss() -> str:
 
 def call_with_the_global_batch(how: str) -> str:
     """Rank body: the bundled Llama compiled on dp=2 for a global batch of 4, then called (``how``: ``"step"`` or
-    ``"call"``) with the whole batch instead of this rank's two rows: refused by name before any graph runs."""
+    ``"call"``) with the whole batch instead of this rank's two rows, or (``"float"``) with its own rows as floats:
+    refused by name before any graph runs."""
     import fxpar
     from fxpar.models.llama import llama
 
@@ -148,6 +149,8 @@ def call_with_the_global_batch(how: str) -> str:
                            example_targets=tokens)
     if how == "step":
         pm.step(tokens, tokens)
+    elif how == "float":
+        pm(tokens.chunk(2)[dist.get_rank()].float())
     else:
         pm(tokens)
     return "ran"
