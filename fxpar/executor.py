@@ -158,7 +158,7 @@ class StepExecutor(StepLosses):
             st.sends.clear()
             st.forward_sends.clear()
         elif e.kind == "tied":
-            self.all_reduce_tied(st, e.fqn)
+            all_reduce_in_place(self.totals(st)[e.fqn], self.tie_groups[e.fqn])
         elif e.kind == "loss":
             st.loss = self.global_loss(st)
         else:
@@ -257,17 +257,6 @@ class StepExecutor(StepLosses):
         names = [fqn for _, fqn in r.spec.deferred]
         st.grads.replace(s, dict(zip(names, r.reduce(*[acc[fqn] for fqn in names]), strict=True)))
 
-    def all_reduce_tied(self, st: StepState, fqn: str) -> None:
-        """Sum a tied parameter's gradient over the pipeline ranks that use it, in place. A collective reduces a
-        tensor's storage in memory order, so a gradient that is a transposed view (a head reading the tied weight
-        as ``w.t()`` inside a ``cat``) is reduced as a contiguous copy and written back: reduced as it lay, gloo
-        summed each rank's elements at the other's positions."""
-        grad = self.totals(st)[fqn]
-        flat = grad.contiguous()
-        dist.all_reduce(flat, group=self.tie_groups[fqn])
-        if flat is not grad:
-            grad.copy_(flat)
-
     def totals(self, st: StepState) -> dict[str, torch.Tensor]:
         """Each gradient summed over this rank's stages (once every reduction has run)."""
         if st.totals is None:
@@ -289,6 +278,17 @@ class StepExecutor(StepLosses):
             dist.irecv(buf, c.ranks[0], tag=c.tag).wait()
             out.append(buf)
         return out
+
+
+def all_reduce_in_place(grad: torch.Tensor, group: Any) -> None:
+    """Sum ``grad`` (a tied parameter's gradient) over ``group``, in place. A collective reduces a tensor's storage
+    in memory order, so a gradient that is a transposed view (a head reading the tied weight as ``w.t()`` inside a
+    ``cat``) is reduced as a contiguous copy and written back: reduced as it lay, gloo summed each rank's elements
+    at the other's positions."""
+    flat = grad.contiguous()
+    dist.all_reduce(flat, group=group)
+    if flat is not grad:
+        grad.copy_(flat)
 
 
 FORWARD_KINDS = frozenset({"gather", "F", "SEND_F", "RECV_F", "wait_sends", "loss"})
