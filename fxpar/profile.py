@@ -18,6 +18,7 @@ Everything is per sample and scales with the microbatch: the closed forms in ``f
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.modules import module_table
 from fxpar.plan import Plan
-from fxpar.stages import block_paths, same_structure
+from fxpar.stages import block_paths, structure_of
 from fxpar.tp_styles import TpGroup, find_groups
 
 _ONE_RANK = Mesh({"dp": 1}, fake=True)
@@ -68,20 +69,24 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
                   param_dtype: torch.dtype | None = None) -> ModelProfile:
     """Profile ``model`` for ``cluster`` (module docstring). Raises PlanError for a model without repeated blocks."""
     blocks = block_paths(model)
-    if len(blocks) < 2 or not same_structure(model.get_submodule(blocks[0]), model.get_submodule(blocks[1])):
-        blocks = [""]  # no repeated blocks: the whole model is one
+    alike = representative_blocks(model, blocks)
+    if len(alike) < 2:
+        blocks = alike = [""]  # no repeated blocks: the whole model is one
     batch = _batch(example_inputs)
     one = _slice_batch(example_inputs)
     plan = Plan(param_dtype=param_dtype)
-    small = compile_model(_truncated(model, blocks, 1), _ONE_RANK, one, plan, loss_fn) if len(blocks) > 1 else None
-    two = compile_model(_truncated(model, blocks, 2) if len(blocks) > 2 else model, _ONE_RANK, one, plan, loss_fn)
+    cut = (lambda k: _truncated(model, blocks, alike[:k])) if len(blocks) > 1 else None
+    small = compile_model(cut(1), _ONE_RANK, one, plan, loss_fn) if cut else None
+    two_model = cut(2) if cut and (len(blocks) > 2 or alike != blocks) else model
+    two = compile_model(two_model, _ONE_RANK, one, plan, loss_fn)
     prog = two.stages[0]
-    groups = find_groups(prog, module_table(model), blocks[0])
-    times = _forward_times(two, blocks[0], groups, cluster)
+    block = _first_kept(model, blocks, alike)
+    groups = find_groups(prog, module_table(two_model), block)
+    times = _forward_times(two, block, groups, cluster)
     saved2 = predict_memory(two, 0).activations
     saved1 = predict_memory(small, 0).activations if small is not None else 0
     block_saved = max(saved2 - saved1, 0) if small is not None else saved2
-    params_block = sum(p.numel() for p in model.get_submodule(blocks[0]).parameters() if p.requires_grad)
+    params_block = _mean_block_params(model, blocks)
     parent = blocks[0].rpartition(".")[0] if blocks[0] else None
     params_total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     master = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -93,13 +98,39 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
         block_ops=times["block_ops"], rest_ops=times["rest_ops"],
         boundary_bytes=times["boundary"], reduced_bytes=times["reduced"], block_saved=block_saved,
         rest_saved=max(saved1 - block_saved, 0) if small is not None else 0,
-        flops_per_sample=_model_flops(two, blocks[0], len(blocks)), tokens_per_sample=_tokens(one),
+        flops_per_sample=_model_flops(two, block, len(blocks)), tokens_per_sample=_tokens(one),
         batch=batch, working_bytes=param_dtype.itemsize if param_dtype is not None else 0,
     )
 
 
-def _truncated(model: torch.nn.Module, blocks: list[str], k: int) -> torch.nn.Module:
-    """A shallow copy of ``model`` whose block list holds its first ``k`` blocks (modules shared, not copied)."""
+def representative_blocks(model: torch.nn.Module, blocks: list[str]) -> list[str]:
+    """The blocks of the most common structure (class and parameter shapes), in order: all of ``blocks`` when they
+    are alike; the MoE layers of a model whose first layers are dense (DeepSeek's ``first_k_dense_replace``,
+    Qwen3-MoE's ``mlp_only_layers``), the most common kind of a hybrid's (Jamba). The closed forms price every block
+    as one of these; fewer than two: the model has no repeated blocks."""
+    kinds = Counter(structure_of(model.get_submodule(b)) for b in blocks)
+    if not kinds:
+        return []
+    common, _ = kinds.most_common(1)[0]
+    return [b for b in blocks if structure_of(model.get_submodule(b)) == common]
+
+
+def _first_kept(model: torch.nn.Module, blocks: list[str], alike: list[str]) -> str:
+    """The path of the first representative block in the cut model: a ``ModuleDict`` keeps its keys, a list
+    renumbers from 0."""
+    parent = blocks[0].rpartition(".")[0]
+    keeps_names = isinstance(model.get_submodule(parent) if parent else model, torch.nn.ModuleDict)
+    return alike[0] if keeps_names else blocks[0]
+
+
+def _mean_block_params(model: torch.nn.Module, blocks: list[str]) -> int:
+    """Trainable elements per block, averaged over ``blocks`` (so that the rest is the model less all of them)."""
+    total = sum(p.numel() for b in blocks for p in model.get_submodule(b).parameters() if p.requires_grad)
+    return round(total / len(blocks))
+
+
+def _truncated(model: torch.nn.Module, blocks: list[str], kept: list[str]) -> torch.nn.Module:
+    """A shallow copy of ``model`` whose block list holds only the blocks ``kept`` (modules shared, not copied)."""
     parent_path = blocks[0].rpartition(".")[0]
     root = copy.copy(model)
     root._modules = dict(model._modules)
@@ -111,15 +142,17 @@ def _truncated(model: torch.nn.Module, blocks: list[str], k: int) -> torch.nn.Mo
         holder._modules[name] = child
         holder = child
     listed = holder._modules[parts[-1]] if parts else root
+    names = {b.rpartition(".")[2] for b in kept}
+    items = [(name, child) for name, child in listed.named_children() if name in names]
     if isinstance(listed, torch.nn.ModuleDict):
-        kept = torch.nn.ModuleDict(list(listed.items())[:k])
+        cut: torch.nn.Module = torch.nn.ModuleDict(items)
     elif isinstance(listed, torch.nn.Sequential):
-        kept = type(listed)(*list(listed.children())[:k])
+        cut = type(listed)(*[child for _, child in items])
     else:
-        kept = torch.nn.ModuleList(list(listed.children())[:k])
+        cut = torch.nn.ModuleList([child for _, child in items])
     if not parts:
-        return kept
-    holder._modules[parts[-1]] = kept
+        return cut
+    holder._modules[parts[-1]] = cut
     return root
 
 

@@ -143,12 +143,8 @@ def block_paths(model: torch.nn.Module) -> list[str]:
     return best
 
 
-def same_structure(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    """Whether two blocks have the same class and parameter names and shapes."""
-    return _structure(a) == _structure(b)
-
-
-def _structure(m: torch.nn.Module) -> tuple:
+def structure_of(m: torch.nn.Module) -> tuple:
+    """A block's class and parameter names and shapes: equal for blocks a list repeats."""
     return type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())
 
 
@@ -156,7 +152,7 @@ def _most_alike(container: torch.nn.Module) -> int:
     """How many children share the most common structure (class and parameter shapes)."""
     counts: dict[tuple, int] = {}
     for child in container.children():
-        key = _structure(child)
+        key = structure_of(child)
         counts[key] = counts.get(key, 0) + 1
     return max(counts.values(), default=0)
 
@@ -196,7 +192,7 @@ def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,
 def _repeated(model: torch.nn.Module, blocks: list[str]) -> bool:
     """Whether two of ``blocks`` are alike (a list of layers, not a ``Sequential(conv, norm, relu)`` that won the
     search for want of one)."""
-    structures = [_structure(model.get_submodule(b)) for b in blocks]
+    structures = [structure_of(model.get_submodule(b)) for b in blocks]
     return len(set(structures)) < len(structures)
 
 

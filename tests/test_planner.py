@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -255,6 +256,31 @@ def test_blocks_are_the_repeated_children_and_their_groups_reach_the_parent() ->
     compiled = compile_program(model, fxpar.Mesh({"dp": 1}, fake=True), (torch.randn(4, 8),))
     assert [str(g) for g in find_groups(compiled.stages[0], module_table(model), "layers.0")] == \
         ["0 (colwise) -> 2 (rowwise)"]
+
+
+def _dense_first_llama() -> nn.Module:
+    """DeepSeek's ``first_k_dense_replace`` in small: layer 0's MLP is wider than the other three."""
+    from fxpar.models.llama import MLP, LlamaConfig
+
+    model = llama(n_layers=4)
+    model.layers[0].mlp = MLP(LlamaConfig(n_layers=4, intermediate=4 * model.layers[1].mlp.up.out_features))
+    return model
+
+
+def test_a_model_whose_first_layer_differs_is_profiled_by_its_common_layers() -> None:
+    """The profile priced such a model as one block, so every pipeline mesh was pruned and ``plan=None`` on
+    pp=2 x tp=2 warned and replicated over tp (Qwen3-MoE's dense first layer, Jamba's hybrid layers)."""
+    from fxpar.profile import profile_model
+
+    model = _dense_first_llama()
+    profile = profile_model(model, (TOKENS,), H100.with_gpus(4), loss_fn=next_token_loss)
+    assert profile.n_blocks == 4 and profile.block_parent == "layers"
+    blocks = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    assert profile.params_block == round(sum(blocks) / 4)  # the rest is the model less every layer, exactly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxpar.FxparWarning)
+        pm = fxpar.parallelize(model, fxpar.Mesh({"pp": 2, "tp": 2}, fake=True), (TOKENS,), loss_fn=next_token_loss)
+    assert pm.plan.stages and pm.plan.tp and "chosen" in pm.plan.notes["auto"]
 
 
 @pytest.mark.parametrize("cluster", [None, H100.with_gpus(2)], ids=["measured", "h100"])
