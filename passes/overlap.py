@@ -74,18 +74,42 @@ def _buckets(prog: Program, bucket_bytes: int, sharded: bool) -> list[list[str]]
         produced.append((order[grads[idx].name], fqn, val.element_size() * math.prod(local), str(val.dtype)))
     last_matmul = max((order[n.name] for n in prog.graph.nodes
                        if n.target in MATMULS and is_backward(prog, n)), default=-1)
+    unit = block_units([fqn for fqn, _ in prog.signature.params])
     buckets: list[list[str]] = []
     size, dtype, tail, block = 0, "", False, None
     for at, fqn, nbytes, dt in sorted(produced):
-        same_block = not sharded or block_of(fqn) == block
+        same_block = not sharded or unit[fqn] == block
         if buckets and same_block and (tail or (size + nbytes <= bucket_bytes and dt == dtype)):  # one dtype
             buckets[-1].append(fqn)
             size += nbytes
         else:
             buckets.append([fqn])
-            size, dtype, block = nbytes, dt, block_of(fqn)
+            size, dtype, block = nbytes, dt, unit[fqn]
         tail = tail or (at > last_matmul and dt == dtype)
     return buckets
+
+
+def block_units(fqns: list[str]) -> dict[str, str]:
+    """Each parameter's FSDP2 unit (``fully_shard`` per block): the outermost numbered component of its path whose
+    container holds two children with the same parameter names, a list of alike blocks (``blocks.0`` for
+    ``blocks.0.1.weight`` when ``blocks`` is a ``ModuleList`` of ``Sequential``s, ``layers.3`` for an expert
+    ``layers.3.mlp.experts.5.w1``); else ``block_of``. A block's own numbered children (a ``Sequential``'s
+    layers, T5's ``block.2.layer.1``) are not units of their own."""
+    children: dict[str, dict[str, set[str]]] = {}
+    for fqn in fqns:
+        parts = fqn.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                children.setdefault(".".join(parts[:i]), {}).setdefault(part, set()).add(".".join(parts[i + 1:]))
+    alike = {c for c, kids in children.items()
+             if len({frozenset(s) for s in kids.values()}) < len(kids)}
+    units = {}
+    for fqn in fqns:
+        parts = fqn.split(".")
+        outer = next((i for i, part in enumerate(parts[:-1]) if part.isdigit() and ".".join(parts[:i]) in alike),
+                     None)
+        units[fqn] = ".".join(parts[: outer + 1]) if outer is not None else block_of(fqn)
+    return units
 
 
 def block_of(fqn: str) -> str:

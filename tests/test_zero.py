@@ -158,6 +158,50 @@ def test_zero3_ledger_gathers_at_each_use_and_again_in_backward() -> None:
     assert mem.transient >= largest  # a gathered parameter lives inside the graph that uses it
 
 
+class _ExpertsBlock(torch.nn.Module):
+    """A ``Sequential`` (numbered children of its own) and a list of alike experts, in one repeated block."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ff = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                      torch.nn.Linear(4 * width, width))
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.ff(x)
+        return x + self.experts[0](x) + self.experts[1](x)
+
+
+class _SequentialBlocks(torch.nn.Module):
+    def __init__(self, width: int = 16, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_ExpertsBlock(width) for _ in range(n))
+        self.head = torch.nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _sequential_blocks() -> _SequentialBlocks:
+    torch.manual_seed(0)
+    return _SequentialBlocks()
+
+
+def test_zero3_gathers_a_sequential_block_in_one_collective() -> None:
+    """FSDP2's unit is the repeated block: a block holding numbered children (a ``Sequential``'s norm and Linears, a
+    list of experts) was gathered in one collective per child, 19 all-gathers for 3 blocks instead of 3 plus the
+    root's."""
+    pm = fxpar.parallelize(_sequential_blocks(), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(8, 16),),
+                           plan=fxpar.Plan(zero=3))
+    fwd = [r for r in pm.ledger(0) if r.op == "all_gather" and r.phase == "fwd"]
+    per_block = sum(p.numel() for p in _sequential_blocks().blocks[0].parameters()) * 4  # the gathered block
+    assert [r.bytes for r in fwd[:3]] == [per_block] * 3
+    assert len(fwd) == 3 + 1  # the head
+    assert_equivalent(_sequential_blocks, {"dp": 2}, fxpar.Plan(zero=3), (torch.randn(8, 16),), steps=2)
+
+
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_with_tied_embeddings(zero: int) -> None:
     # found by the property suite: the tied weight is two placeholders of one stage, gathered once

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from fxpar.ir import Placements, Step
-from fxpar.passes.overlap import block_of
+from fxpar.passes.overlap import block_units
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -112,7 +112,8 @@ class FlatBuckets:
         """The module a bucket's collective is attributed to: its block (``layers.3``), else what it holds."""
         if len(fqns) == 1:
             return fqns[0]
-        blocks = {block_of(fqn) for fqn in fqns}
+        unit = block_units([fqn for fqn, _ in self.prog.signature.params])
+        blocks = {unit[fqn] for fqn in fqns}
         if len(blocks) == 1 and "" not in blocks:
             return blocks.pop()
         return f"bucket of {len(fqns)}: {fqns[0]} .. {fqns[-1]}"
