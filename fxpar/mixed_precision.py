@@ -2,9 +2,13 @@
 
 ``Plan(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: parameters (the master weights) and
 optimizer state keep their own dtype; every module that owns floating parameters runs its ``forward``
-on copies of them cast to ``param_dtype``, and the root casts its floating tensor inputs too (FSDP2's
-``cast_forward_inputs``). The backward of each cast hands the gradient back in the parameter's dtype,
-where the batch axes reduce it in ``reduce_dtype`` (``fxpar.lower.grads``).
+on copies of them cast to ``param_dtype``, and the root and every repeated block (FSDP2's units under a
+``fully_shard`` per block) cast their floating tensor inputs too (FSDP2's ``cast_forward_inputs``). So does every
+module that owns floating parameters, where FSDP2 would not: a float32 buffer added to the stream (a sinusoidal
+position table) promotes the stream to float32, and the next ``Linear`` would meet its bf16 weight with a float32
+input (torch refuses the matmul; under FSDP2 such a model fails at its first step). Where a module's input is
+already in ``param_dtype`` the cast is no op and leaves no node. The backward of each cast hands the gradient back
+in the parameter's dtype, where the batch axes reduce it in ``reduce_dtype`` (``fxpar.lower.grads``).
 
 The casts are made while the model is traced, not by rewriting a float32 graph afterwards: a model's
 own code branches on dtypes (an RMSNorm computes in float32 and casts back to its input's dtype, an
@@ -44,6 +48,7 @@ def computing_in(model: torch.nn.Module, param_dtype: torch.dtype | None) -> Ite
         return
     patched: list[tuple[torch.nn.Module, bool]] = []
     scope = _CastScope(model, param_dtype)
+    units = _fsdp_units(model)
     try:
         for module in model.modules():
             if isinstance(module, _NormBase):
@@ -53,10 +58,11 @@ def computing_in(model: torch.nn.Module, param_dtype: torch.dtype | None) -> Ite
                 continue
             names = [n for n, p in module._parameters.items()
                      if p is not None and p.is_floating_point() and p.dtype != param_dtype]
-            root = module is model
-            if root or any(p.is_floating_point() for p in module.parameters()):
+            owns = any(p is not None and p.is_floating_point() for p in module._parameters.values())
+            cast_inputs = module is model or id(module) in units or owns
+            if cast_inputs or any(p.is_floating_point() for p in module.parameters()):
                 had = "forward" in module.__dict__
-                module.forward = _casting_forward(module, module.forward, names, param_dtype, root, scope)
+                module.forward = _casting_forward(module, module.forward, names, param_dtype, cast_inputs, scope)
                 patched.append((module, had))
         yield
     finally:
@@ -65,6 +71,19 @@ def computing_in(model: torch.nn.Module, param_dtype: torch.dtype | None) -> Ite
                 module.forward = module.forward.original  # type: ignore[attr-defined]
             else:
                 del module.forward
+
+
+def _fsdp_units(model: torch.nn.Module) -> set[int]:
+    """The modules FSDP2 users ``fully_shard`` besides the root, whose floating inputs it casts: the entries of a
+    list of alike modules (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``; same class and parameter
+    shapes), the repeated blocks."""
+    units: set[int] = set()
+    for container in model.modules():
+        if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            kids = list(container.children())
+            keys = [(type(k), tuple((n, tuple(p.shape)) for n, p in k.named_parameters())) for k in kids]
+            units.update(id(k) for k, key in zip(kids, keys, strict=True) if keys.count(key) > 1)
+    return units
 
 
 class _CastScope:

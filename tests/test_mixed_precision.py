@@ -22,6 +22,8 @@ from fxpar.testing import assert_equivalent, default_pool
 from fxpar.testing.error_models import next_token_loss
 from fxpar.testing.probes import grad_storage_after_backward, measured_memory
 
+aten = torch.ops.aten
+
 BF16, FP32 = torch.bfloat16, torch.float32
 TOKENS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
 MIXED = {"param_dtype": BF16, "reduce_dtype": FP32}
@@ -209,6 +211,20 @@ def test_parameters_read_outside_their_modules_forward_are_cast_too() -> None:
     assert "_to_copy(layers_0_attn_out_proj_weight, dtype=torch.bfloat16)" in program
     assert "_to_copy(embed_weight, dtype=torch.bfloat16)" in program
     assert_equivalent(attention_encoder, {"dp": 2}, fxpar.Plan(zero=2, **MIXED), (tokens,), steps=2)
+
+
+def test_a_float32_buffer_in_the_stream_is_cast_where_it_meets_bf16_weights() -> None:
+    """A float32 position table added to bf16 embeddings made the stream float32: every rank died at its first
+    step in ``mm`` (float32 input, bf16 weight), and so did the single device's casts. Each module owning
+    parameters (and each repeated block, FSDP2's units) casts its floating inputs to ``param_dtype``."""
+    from fxpar.testing.user_models import sinusoidal_positions
+
+    tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    pm = fxpar.parallelize(sinusoidal_positions(), fxpar.Mesh({"dp": 2}, fake=True), (tokens,),
+                           plan=fxpar.Plan(**MIXED))
+    matmuls = [n for n in pm.rank_program(0).forward.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    assert matmuls and all(a.meta["val"].dtype == torch.bfloat16 for n in matmuls for a in n.all_input_nodes)
+    assert_equivalent(sinusoidal_positions, {"dp": 2}, fxpar.Plan(zero=3, **MIXED), (tokens,), steps=2)
 
 
 @pytest.mark.parametrize("model_fn", ["tiny_resnet", "tiny_resnet_eval"])

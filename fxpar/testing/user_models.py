@@ -363,3 +363,30 @@ class TiedTransposedHead(nn.Module):
 def tied_transposed_head() -> TiedTransposedHead:
     torch.manual_seed(0)
     return TiedTransposedHead()
+
+
+class SinusoidalPositions(nn.Module):
+    """The PyTorch tutorial's transformer input: a float32 sinusoidal table (a buffer) added to the embeddings, so
+    under bf16 mixed precision the stream that reaches every later ``Linear`` is float32."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, length: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        position = torch.arange(length).unsqueeze(1)
+        rate = torch.exp(torch.arange(0, width, 2) * (-9.2103 / width))
+        table = torch.zeros(length, width)
+        table[:, 0::2], table[:, 1::2] = torch.sin(position * rate), torch.cos(position * rate)
+        self.register_buffer("table", table)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens) + self.table[: tokens.shape[1]]
+        for layer in self.layers:
+            h = h + torch.relu(layer(h))
+        return self.head(h)
+
+
+def sinusoidal_positions() -> SinusoidalPositions:
+    torch.manual_seed(0)
+    return SinusoidalPositions()
