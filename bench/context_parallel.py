@@ -7,8 +7,8 @@ One command, compile-only (fake meshes, no process is started), well under a min
 The bundled Llama (4 layers, hidden 256, 4 query and 2 kv heads, vocab 512), one sequence per dp rank, fp32,
 at cp = 1, 2, 4 and two sequence lengths. Per row, all exact and machine-independent:
 
-* **activations**: ``pm.memory(0).activations``, what rank 0's forward saves for its backward, and its ratio to
-  cp=1 (the point of context parallelism: it falls as 1/cp, except what attention keeps whole: k and v);
+* **activations**: ``fxpar.memory.saved_per_microbatch``, what rank 0's forward saves for its backward, and its
+  ratio to cp=1 (the point of context parallelism: it falls as 1/cp, except what attention keeps whole: k and v);
 * **cp bytes** from rank 0's ledger against the formula of all-gathered k/v attention (Llama 3's context
   parallelism): per layer the forward all-gathers k and v, ``2 b S h_kv d 4`` bytes, and the backward
   reduce-scatters their gradients, the same bytes; the logits are gathered once for the output, ``b S V 4``; every
@@ -28,6 +28,7 @@ import torch
 from common import bench_args, environment, markdown_table, publish, ratio
 
 import fxpar
+from fxpar.memory import saved_per_microbatch
 from fxpar.models.llama import Llama, LlamaConfig
 from fxpar.split import Splitter
 
@@ -61,7 +62,7 @@ def row(cfg: LlamaConfig, seq: int, cp: int, base: dict[int, int]) -> dict[str, 
     model = Llama(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, seq))
     pm = fxpar.parallelize(model, fxpar.Mesh({"cp": cp}, fake=True), (tokens,))
-    acts = pm.memory(0).activations
+    acts = saved_per_microbatch(pm._compiled, 0)
     base.setdefault(seq, acts)
     rows = [r for r in pm.ledger(0) if r.axis == "cp"]
     params = sum(p.numel() * 4 for p in model.parameters())

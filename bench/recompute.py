@@ -6,7 +6,8 @@ One command, one launch of 2 gloo ranks (``tp=2``), about a minute on 2 cores::
 
 Same model (the bundled Llama, seed 0), same batch, fp32. Per policy (none, selective, full, and byte budgets):
 
-* **saved bytes** on rank 0: ``pm.memory(0).activations`` (predicted at compile time) and the distinct local
+* **saved bytes** on rank 0: ``fxpar.memory.saved_per_microbatch`` (predicted at compile time;
+  ``pm.memory(0).activations`` adds the logits' gradient ``pm.step`` holds) and the distinct local
   storages one real forward of the rank program returns for its backward (measured; parameters and inputs
   excluded), and their ratio to no recompute;
 * **per layer**: the same prediction differenced between 2 and 4 layers, beside Korthikanti et al.'s formula
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from common import bench_args, interleaved_step_times, markdown_table, publish_gloo_run, step_time_table
 
 import fxpar
+from fxpar.memory import saved_per_microbatch
 from fxpar.models.llama import Llama, LlamaConfig, llama_plan
 from fxpar.testing.probes import storage_bytes
 
@@ -82,10 +84,11 @@ def rank_main() -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         fake = fxpar.Mesh({"tp": TP}, fake=True)
-        two = build(policy, tokens, 2, fake).memory(rank).activations
-        four = build(policy, tokens, 4, fake).memory(rank).activations
-        out[label(policy)] = {"predicted": pm.memory(rank).activations, "measured": measured_saved(pm, tokens),
-                              "per_layer": (four - two) // 2, "first_loss": losses[0]}
+        two = saved_per_microbatch(build(policy, tokens, 2, fake)._compiled, rank)
+        four = saved_per_microbatch(build(policy, tokens, 4, fake)._compiled, rank)
+        out[label(policy)] = {"predicted": saved_per_microbatch(pm._compiled, rank),
+                              "measured": measured_saved(pm, tokens), "per_layer": (four - two) // 2,
+                              "first_loss": losses[0]}
         runs[label(policy)] = ((lambda pm=pm: pm.step(tokens, tokens)), opt)
     for name, times in interleaved_step_times(runs, STEPS, ROUNDS).items():
         out[name]["times"] = times

@@ -16,7 +16,7 @@ in all four. Per system and rank:
   produces): fxpar's from its ledger, DTensor's counted by ``CommDebugMode`` (``dtensor_baseline``),
   next to the Megatron per-layer optimum (without SP: 4 all-reduces of ``b*s*h`` per layer; with SP:
   4 all-gathers + 4 reduce-scatters of ``b*s*h`` per layer, plus the norm weights' gradients).
-* **saved activations per rank**: fxpar's ``pm.memory(rank).activations`` (the tests check it equals
+* **saved activations per rank**: fxpar's ``fxpar.memory.saved_per_microbatch`` (the tests check it equals
   the storage a real forward saves); DTensor's measured with ``saved_tensors_hooks`` (distinct local
   storages the autograd graph saves, parameters excluded).
 * **step time**: ``zero_grad`` + forward + backward + ``opt.step``, max over ranks, median over
@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fxpar
+from fxpar.memory import saved_per_microbatch
 from fxpar.models.llama import Llama, LlamaConfig, llama_plan
 
 CONFIG = {"n_layers": 4, "hidden": 256, "intermediate": 512, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512,
@@ -146,7 +147,7 @@ def rank_main() -> dict[str, Any]:
         if pm is not None:
             rows = [r for r in pm.ledger(dist.get_rank()) if r.axis == "tp"]
             row["bytes"] = {op: sum(r.bytes for r in rows if r.op == op) for op in sorted({r.op for r in rows})}
-            row["saved"] = pm.memory(dist.get_rank()).activations
+            row["saved"] = saved_per_microbatch(pm._compiled, dist.get_rank())
         else:
             counts = count_collectives(step)
             scale = {"all_gather": TP}  # CommDebugMode counts an all-gather's input shard

@@ -46,6 +46,8 @@ from fxpar.rank_step import backward_halves, boundary_meta, rank_step
 
 if TYPE_CHECKING:
     from fxpar.compiled import Compiled
+    from fxpar.ir import Program
+    from fxpar.lower.program import RankProgram
 
 aten = torch.ops.aten
 
@@ -119,7 +121,7 @@ def predict(c: Compiled, rank: int) -> Memory:
                 grad_bytes[fqn] = shard + (full if fqn in rp.zero and c.plan.zero == 1 else 0)
                 whole_grads[s] = whole_grads.get(s, 0) + (full if fqn in rp.zero else 0)
         saved[s] = saved_bytes(rp.forward, prog.signature.num_outputs)
-        kept[s] = _boundary(rp.forward, prog.signature.num_outputs)
+        kept[s] = _boundary(prog, rp, last=s == len(c.stages) - 1)
         unreduced = whole_grads.get(s, 0) if c.plan.zero >= 2 else 0
         if s in halves:  # B, then W reading B's stash (``fxpar.rank_step.backward_halves``)
             b, w = c.stage_graph(rank, s, "backward_b"), c.stage_graph(rank, s, "backward_w")
@@ -130,6 +132,14 @@ def predict(c: Compiled, rank: int) -> Memory:
         transient = max(transient, largest_live_set(rp.forward), backward_end)
     return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
                   _activations_in_flight(c, rank, saved, stash, kept), transient, sum(buffer_bytes.values()))
+
+
+def saved_per_microbatch(c: Compiled, rank: int) -> int:
+    """Bytes one forward of each of ``rank``'s stages saves for its backward, summed over the stages: the part of
+    ``activations`` a recompute policy, sequence or context parallelism changes (without what the schedule keeps in
+    flight, the transfers and the last stage's output gradients)."""
+    return sum(saved_bytes(c.rank_program(rank, s).forward, c.stages[s].signature.num_outputs)
+               for s in c.stage_of_rank(rank))
 
 
 def nbytes(node: fx.Node) -> int:
@@ -222,15 +232,23 @@ def _output_excess(outs: list[fx.Node]) -> dict[fx.Node, int]:
 class _Boundary:
     """What a stage's transfers keep alive beyond its saved set."""
 
-    saved_inputs: frozenset[str]  # received placeholders the forward saves for backward (kept until it ends)
+    saved_received: frozenset[int]  # positions of the received values the forward saves (kept until its backward)
     sent_forward: int  # bytes of forward outputs nothing else keeps: held by their send until the gradient returns
+    output_grads: int  # the last stage: its outputs' gradients, made with the loss at F and read by the backward
 
 
-def _boundary(forward: fx.GraphModule, num_outputs: int) -> _Boundary:
-    roots = saved_roots(forward, num_outputs)
-    sent = sum(nbytes(o) for o in forward.graph.output_node().args[0][:num_outputs] if isinstance(o, fx.Node)
+def _boundary(prog: Program, rp: RankProgram, last: bool) -> _Boundary:
+    """The rank forward's placeholders are the parameters, the buffers, then the received values (in
+    ``boundary_meta``'s order) and the user's inputs."""
+    num_outputs = prog.signature.num_outputs
+    roots = saved_roots(rp.forward, num_outputs)
+    sent = sum(nbytes(o) for o in rp.forward.graph.output_node().args[0][:num_outputs] if isinstance(o, fx.Node)
                and storage_root(o) not in roots and storage_root(o).op != "placeholder")
-    return _Boundary(frozenset(r.name for r in roots if r.op == "placeholder"), sent)
+    fixed = len(prog.signature.params) + len(prog.signature.buffers)
+    placeholders = list(rp.forward.graph.find_nodes(op="placeholder"))
+    saved = frozenset(i - fixed for i, n in enumerate(placeholders) if i >= fixed and n in roots)
+    tangents = sum(nbytes(n) for n in rp.backward.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
+    return _Boundary(saved, sent, tangents if last else 0)
 
 
 def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash: dict[int, int],
@@ -240,21 +258,27 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
     ``W``. Transfers: a received activation lives until its forward (or, saved, until its backward ends), a
     received gradient until that backward; a forward send holds its buffer until the gradient comes back (the
     executor awaits it there) and a backward send until the step's ``wait_sends``, unless a receive proves either
-    arrived earlier (``wait_SEND_F``, ``wait_SEND_B``)."""
+    arrived earlier (``wait_SEND_F``, ``wait_SEND_B``); what a send moves is counted from the return of the graph
+    that made it, where it lives beside that graph's inputs."""
     coord = c.mesh.coord(rank)
     live = peak = 0
     until_forward: dict[tuple[int, int], int] = {}
     until_backward: dict[tuple[int, int], int] = {}
     forward_sends: dict[tuple[int, int], int] = {}
     back_sends: dict[tuple[int, int], int] = {}  # held until their wait_SEND_B, or the step's wait_sends
-    for e in rank_step(c, rank):
+    events = rank_step(c, rank)
+    # what a forward (F) or a backward (B) makes for its send, alive from the graph's return (the send takes it over)
+    sends_of = {(e.kind[-1], e.stage, e.mb): kept[e.stage].sent_forward if e.kind == "SEND_F"
+                else sum(cm.row.bytes for cm in e.comms) for e in events if e.kind in ("SEND_F", "SEND_B")}
+    made: dict[tuple[str, int, int], int] = {}
+    for e in events:
         after = 0  # freed once the event is over
         key = (e.stage, e.mb)
         if e.kind == "RECV_F":
             receiver = e.stage + 1
-            names = [b.placeholder for b in boundary_meta(c.stages[receiver], coord)]
-            for name, cm in zip(names, e.comms, strict=True):
-                held = until_backward if name in kept[receiver].saved_inputs else until_forward
+            received = boundary_meta(c.stages[receiver], coord)
+            for position, cm in zip(range(len(received)), e.comms, strict=True):
+                held = until_backward if position in kept[receiver].saved_received else until_forward
                 held[(receiver, e.mb)] = held.get((receiver, e.mb), 0) + cm.row.bytes
                 live += cm.row.bytes
         elif e.kind == "RECV_B":  # the gradient arrives, then the executor awaits the activation's send
@@ -262,20 +286,23 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
             n = sum(cm.row.bytes for cm in e.comms)
             until_backward[(e.stage - 1, e.mb)] = until_backward.get((e.stage - 1, e.mb), 0) + n
             live += n
-        elif e.kind == "SEND_F":
-            forward_sends[key] = kept[e.stage].sent_forward
-            live += forward_sends[key]
-        elif e.kind == "SEND_B":
-            back_sends[key] = sum(cm.row.bytes for cm in e.comms)
-            live += back_sends[key]
+        elif e.kind == "SEND_F":  # the buffers its forward made
+            forward_sends[key] = made.pop(("F", *key))
+        elif e.kind == "SEND_B":  # the input gradients its backward made
+            back_sends[key] = made.pop(("B", *key))
         elif e.kind == "wait_SEND_B":
             after = back_sends.pop(key)
         elif e.kind == "wait_SEND_F":
             after = forward_sends.pop(key, 0)
         elif e.kind == "F":
-            live += saved[e.stage]
+            made[("F", *key)] = sends_of.get(("F", *key), 0)
+            live += saved[e.stage] + kept[e.stage].output_grads + made[("F", *key)]
+            until_backward[key] = until_backward.get(key, 0) + kept[e.stage].output_grads
             after = until_forward.pop(key, 0)
-        elif e.graph == "backward_b":
+        if e.graph in ("backward", "backward_b"):  # its input gradients exist when it returns, beside its inputs
+            made[("B", *key)] = sends_of.get(("B", *key), 0)
+            live += made[("B", *key)]
+        if e.graph == "backward_b":
             live += stash[e.stage]
         elif e.graph in ("backward", "backward_w"):
             after = saved[e.stage] + (stash[e.stage] if e.graph == "backward_w" else 0) + until_backward.pop(key, 0)

@@ -10,10 +10,10 @@ import torch
 
 import fxpar
 from fxpar.memory import largest_live_set
-from fxpar.models.llama import llama, llama_plan
+from fxpar.models.llama import LlamaConfig, llama, llama_plan
 from fxpar.testing import default_pool
 from fxpar.testing.error_models import next_token_loss
-from fxpar.testing.probes import measured_memory
+from fxpar.testing.probes import held_between_events, measured_memory
 
 TOKENS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
 
@@ -55,7 +55,10 @@ def test_prediction_equals_local_storage_after_a_real_step() -> None:
     for r in results:
         mem = r["predicted"]
         assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
-        assert mem.activations == r["saved_per_microbatch"]  # one microbatch, one set in flight
+        # one microbatch, one set in flight, and the logits' gradient pm.step makes with the loss and holds until
+        # the backward reads it (dp=2: half the rows; the head is not tp-sharded)
+        logits_grad = TOKENS.shape[0] // 2 * TOKENS.shape[1] * LlamaConfig().vocab_size * 4
+        assert mem.activations == r["saved_per_microbatch"] + logits_grad == r["held"]
         assert mem.buffers == r["buffers"] > 0  # the module's copies of the rotary tables
 
 
@@ -69,7 +72,7 @@ def test_zero_prediction_equals_local_storage_after_a_real_step(zero: int) -> No
     for r in results:
         mem = r["predicted"]
         assert (mem.optimizer, r["optimizer"]) == (psi, psi)  # 8 Psi / N with N = dp = 2, in local fp32 bytes
-        assert mem.activations == r["saved_per_microbatch"]
+        assert mem.activations == r["held"] > r["saved_per_microbatch"]  # the logits' gradient besides
         if zero == 3:
             assert (mem.params, mem.grads) == (r["params"], r["grads"]) == (psi // 2, psi // 2)
         else:  # the gathered working copy lives only inside pm.step: the measured storage is the shards
@@ -90,6 +93,26 @@ def test_pipeline_activations_are_the_sets_the_schedule_keeps_in_flight() -> Non
     for r in results:
         mem = r["predicted"]
         assert (mem.params, mem.grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
+
+
+@pytest.mark.parametrize("axes,plan", [
+    ({"pp": 2}, fxpar.Plan(stages=2, schedule="gpipe", microbatches=2)),
+    ({"pp": 2}, fxpar.Plan(stages=2, schedule="1f1b", microbatches=4, recompute="full")),
+    ({"pp": 2}, fxpar.Plan(stages=2, schedule="zb-h1", microbatches=4)),
+    ({"pp": 2}, fxpar.Plan(stages=4, schedule="interleaved-1f1b", microbatches=4)),
+    ({"pp": 2, "dp": 2}, fxpar.Plan(stages=2, microbatches=2, zero=1, recompute="selective")),
+], ids=["gpipe", "1f1b-full", "zb-h1", "interleaved", "dp2-zero1-selective"])
+def test_pipeline_activations_equal_what_every_stage_holds(axes: dict[str, int], plan: fxpar.Plan) -> None:
+    """Stages after the first were under-counted (the last by its logits' gradient per microbatch in flight): a
+    received activation the forward saves was taken as freed at its forward, the last stage's output gradients
+    (made with the loss at F, read by the backward) were not counted, nor a backward's input gradients beside its
+    saved set when it returns. Every rank's prediction now equals the peak of what its executor holds between
+    graphs (``held_between_events``), byte for byte."""
+    world = 4 if "dp" in axes else 2
+    results = default_pool().run(held_between_events, world, partial(llama, n_layers=4), axes, plan, TOKENS,
+                                 next_token_loss, timeout=300)
+    for rank, (predicted, held) in enumerate(results):
+        assert predicted == held, (rank, predicted, held)
 
 
 def test_a_backward_output_cut_from_a_larger_buffer_keeps_the_rest_alive() -> None:

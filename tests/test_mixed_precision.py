@@ -104,7 +104,7 @@ def test_memory_equals_local_storage_after_a_real_step(zero: int) -> None:
         whole_grads = 4 * psi if zero == 1 else 0
         assert r["working_copy"] == copy
         assert (mem.params - copy, mem.grads - whole_grads, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
-        assert mem.activations == r["saved_per_microbatch"]
+        assert mem.activations == r["held"] > r["saved_per_microbatch"]  # the logits' gradient besides
         if zero == 1:
             assert (mem.params, mem.optimizer) == (4 * psi // 2 + 2 * psi, 8 * psi // 2)
 

@@ -7,7 +7,9 @@ the step, not the compile, which ``tests/test_run.py`` and ``tests/test_launch.p
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
                     loss_fn: Any) -> dict[str, Any]:
     """Rank body: one ``pm.step`` plus an AdamW step, then the local storage of params, grads and Adam state, of
     ZeRO-1/2's gathered working copies, and of the values one forward of this rank's first stage saves for backward;
-    with ``pm.memory(rank)``."""
+    the peak the step held between graphs (``watching_what_is_held``); with ``pm.memory(rank)``."""
     import fxpar
 
     rank = dist.get_rank()
@@ -45,7 +47,8 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
     dp = mesh_axes.get("dp", 1)
     local = tokens.chunk(dp)[mesh.coord(rank)[mesh.axis_index("dp")]] if dp > 1 else tokens
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    pm.step(local, local)
+    with watching_what_is_held(pm, [local]) as held:
+        pm.step(local, local)
     opt.step()
     params = [_local(p) for p in pm.parameters()]
     state = [_local(v) for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
@@ -67,7 +70,7 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
         saved_bytes = storage_bytes(saved, {t.untyped_storage().data_ptr() for t in [*inputs, *bufs, mb]})
     return {"predicted": pm.memory(rank), "params": storage_bytes(params),
             "grads": storage_bytes([_local(p.grad) for p in pm.parameters()]), "optimizer": storage_bytes(state),
-            "saved_per_microbatch": saved_bytes, "working_copy": working_copy,
+            "saved_per_microbatch": saved_bytes, "working_copy": working_copy, "held": held[0],
             "buffers": storage_bytes(list(pm.buffers())),
             "in_flight": pm.schedule.peak_in_flight()[pm._compiled.pp_coord(rank)]}
 
@@ -363,3 +366,75 @@ def warnings_of_a_loss(inputs: torch.Tensor, loss_fn: Any, axes: dict[str, int],
         pm.step(mine)
         pm.step(mine)
     return [str(w.message) for w in caught if issubclass(w.category, fxpar.FxparWarning)]
+
+
+# what a step holds between graphs that ``pm.memory(rank).activations`` counts (ZeRO-2/3's unreduced gradients of one
+# backward, reduce-scattered right after it, count in ``transient``)
+_STEP_FIELDS = ("inbox", "outputs", "saved", "tangents", "input_grads", "stash", "output_grads", "sends",
+                "forward_sends")
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def held_between_events(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor,
+                        loss_fn: Any) -> tuple[int, int]:
+    """Rank body: one ``pm.step`` watched by ``watching_what_is_held``; returns (``pm.memory(rank).activations``,
+    the peak it measured)."""
+    import fxpar
+
+    torch.manual_seed(0)
+    mesh = fxpar.Mesh(mesh_axes)
+    pm = parallelize_once(model_fn, mesh, (tokens,), plan, loss_fn=loss_fn)
+    dp = mesh_axes.get("dp", 1)
+    local = tokens.chunk(dp)[mesh.coord(dist.get_rank())[mesh.axis_index("dp")]] if dp > 1 else tokens
+    with watching_what_is_held(pm, [local]) as peak:
+        pm.step(local, local)
+    return pm.memory(dist.get_rank()).activations, peak[0]
+
+
+@contextlib.contextmanager
+def watching_what_is_held(pm: Any, inputs: list[torch.Tensor]) -> Iterator[list[int]]:
+    """Inside, ``pm``'s steps are watched: the yielded ``[peak]`` becomes the largest total, over the step's events, of
+    the distinct storages its state holds between graphs (received and sent values, saved sets, stashes, gradients
+    in transit and the buffers of sends not yet awaited, the last stage's output gradients; each event counts what
+    it held before and after it), beside the parameters, the buffers, ``inputs`` and ZeRO-1/2's working copies."""
+    from fxpar import executor
+
+    skip = {t.untyped_storage().data_ptr() for t in [*map(_local, pm.parameters()), *pm.buffers(), *inputs]}
+    peak = [0]
+    sending: dict[int, torch.Tensor] = {}  # a send's buffer, by its work (gloo holds it until the work completes)
+
+    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = executor_isend(tensor, *args, **kwargs)
+        sending[id(work)] = tensor
+        return work
+
+    def held(st: Any) -> dict[int, int]:
+        found = [t for f in _STEP_FIELDS for t in _tensors(getattr(st, f))]
+        found += [sending[id(w)] for works in [*st.sends.values(), *st.forward_sends.values()] for w in works]
+        working = {t.untyped_storage().data_ptr() for t in pm._gathered.values()}  # ZeRO-1/2: counted in params
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found
+                if t.untyped_storage().data_ptr() not in skip | working}
+
+    stepper = pm.step_executor()
+    dispatch, executor_isend = stepper.dispatch, executor.dist.isend
+
+    def watched(e: Any, st: Any, *args: Any) -> None:
+        before = held(st)
+        dispatch(e, st, *args)
+        peak[0] = max(peak[0], sum({**before, **held(st)}.values()))
+
+    stepper.dispatch, executor.dist.isend = watched, isend
+    try:
+        yield peak
+    finally:
+        del stepper.dispatch
+        executor.dist.isend = executor_isend
