@@ -12,7 +12,7 @@
   accumulated tp-local gradient plus its reduce-scattered shard in ``.grad`` (``4 Psi + 4 Psi / N``);
   with ZeRO-2 and 3 only the shard (``4 Psi / N``): one backward's whole gradients are reduce-scattered
   right away and counted in ``transient``;
-* ``optimizer``: Adam-like, two states per parameter shard (``exp_avg``, ``exp_avg_sq``), in the
+* ``optimizer``: Adam-like, two states per trainable parameter shard (``exp_avg``, ``exp_avg_sq``), in the
   parameter's dtype (``8 Psi / N`` with ZeRO-1, 2 and 3). torch's per-parameter ``step`` counters (one scalar
   each) are not counted;
 * ``activations``: the tensors each forward saves for its backward, times the microbatches the
@@ -116,8 +116,8 @@ def predict(c: Compiled, rank: int) -> Memory:
             shard = full // c.mesh.axes["dp"] if fqn in rp.zero else full
             working_copy = gathered if fqn in rp.zero and c.plan.zero < 3 else 0  # ZeRO-3 gathers inside the graphs
             param_bytes[fqn] = shard + working_copy
-            state_bytes[fqn] = 2 * shard
             if fqn in trainable:  # ZeRO-1 keeps the summed whole gradient until the step's end; ZeRO-2 does not
+                state_bytes[fqn] = 2 * shard  # a frozen parameter gets no gradient, so Adam keeps no state for it
                 grad_bytes[fqn] = shard + (full if fqn in rp.zero and c.plan.zero == 1 else 0)
                 whole_grads[s] = whole_grads.get(s, 0) + (full if fqn in rp.zero else 0)
         saved[s] = saved_bytes(rp.forward, prog.signature.num_outputs)

@@ -62,6 +62,20 @@ def test_prediction_equals_local_storage_after_a_real_step() -> None:
         assert mem.buffers == r["buffers"] > 0  # the module's copies of the rotary tables
 
 
+@pytest.mark.parametrize("zero", [0, 3])
+def test_frozen_parameters_hold_no_optimizer_state(zero: int) -> None:
+    """AdamW keeps no state for a parameter that never gets a gradient; ``optimizer`` counted one for each."""
+    from fxpar.testing.user_models import frozen_backbone
+
+    results = default_pool().run(measured_memory, 2, frozen_backbone, {"dp": 2}, fxpar.Plan(zero=zero), TOKENS,
+                                 next_token_loss, timeout=300)
+    trainable = sum(p.numel() for p in frozen_backbone().parameters() if p.requires_grad)
+    for r in results:
+        mem = r["predicted"]
+        assert mem.optimizer == r["optimizer"] == 8 * trainable // (2 if zero else 1)
+        assert (mem.params, mem.grads) == (r["params"], r["grads"])
+
+
 @pytest.mark.parametrize("zero", [1, 3])
 def test_zero_prediction_equals_local_storage_after_a_real_step(zero: int) -> None:
     # ZeRO-1: shards plus the step's gathered working copies; ZeRO-3: the shards alone (16 Psi / N)

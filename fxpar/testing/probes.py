@@ -69,7 +69,8 @@ def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens:
         saved = [t for t in results[runner.num_outputs:] if isinstance(t, torch.Tensor)]
         saved_bytes = storage_bytes(saved, {t.untyped_storage().data_ptr() for t in [*inputs, *bufs, mb]})
     return {"predicted": pm.memory(rank), "params": storage_bytes(params),
-            "grads": storage_bytes([_local(p.grad) for p in pm.parameters()]), "optimizer": storage_bytes(state),
+            "grads": storage_bytes([_local(p.grad) for p in pm.parameters() if p.grad is not None]),
+            "optimizer": storage_bytes(state),
             "saved_per_microbatch": saved_bytes, "working_copy": working_copy, "held": held[0],
             "buffers": storage_bytes(list(pm.buffers())),
             "in_flight": pm.schedule.peak_in_flight()[pm._compiled.pp_coord(rank)]}

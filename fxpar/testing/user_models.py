@@ -390,3 +390,27 @@ class SinusoidalPositions(nn.Module):
 def sinusoidal_positions() -> SinusoidalPositions:
     torch.manual_seed(0)
     return SinusoidalPositions()
+
+
+class FrozenBackbone(nn.Module):
+    """Fine-tuning a head: the embedding and the first layers have ``requires_grad=False``, so no gradient and no
+    optimizer state exists for them."""
+
+    def __init__(self, vocab: int = 256, width: int = 32, layers: int = 4, frozen: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+        for module in [self.emb, *self.layers[:frozen]]:
+            module.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return self.head(h)
+
+
+def frozen_backbone() -> FrozenBackbone:
+    torch.manual_seed(0)
+    return FrozenBackbone()
