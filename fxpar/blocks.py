@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import re
 import weakref
@@ -354,13 +355,21 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
     return x.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else x
 
 
+def _plain_key(v: Any) -> tuple[Any, ...]:
+    """Equal for values a block's code cannot tell apart: ``1``, ``True`` and ``1.0`` compare equal but are not
+    (``x is True``, ``isinstance``), nor are ``0.0`` and ``-0.0`` (``math.copysign``)."""
+    if isinstance(v, float):
+        return ("float", v, math.copysign(1.0, v))
+    return (type(v).__name__, v)
+
+
 def _value_key(v: Any) -> Any:
     if v is TENSOR:
         return "TENSOR"
     if isinstance(v, _PLAIN):
-        return (type(v).__name__, v)
+        return _plain_key(v)
     if isinstance(v, (tuple, list, frozenset)) and all(isinstance(x, _PLAIN) for x in v):
-        return (type(v).__name__, tuple(v))
+        return (type(v).__name__, tuple(map(_plain_key, v)))
     if isinstance(v, functools.partial):  # e.g. an activation's per-layer partial(gelu, approximate="tanh")
         return ("partial", _value_key(v.func), tuple(map(_value_key, v.args)),
                 tuple(sorted((k, _value_key(x)) for k, x in v.keywords.items())))
@@ -400,9 +409,14 @@ def _recording_class(cls: type) -> type:
     if cls not in _RECORDING:
         def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
             d = object.__getattribute__(self, "__dict__")
-            if name in d and name not in _MODULE_INTERNALS and name != "_fxpar_reads":
+            if name not in _MODULE_INTERNALS and name != "_fxpar_reads" and not name.startswith("__"):
                 where, reads = d["_fxpar_reads"]
-                reads[(where, name)] = d[name]
+                if name in d:
+                    reads[(where, name)] = d[name]
+                elif not (name in d["_parameters"] or name in d["_buffers"] or name in d["_modules"]):
+                    # read from the class, or missing (``getattr(self, name, default)``): a layer whose own
+                    # attribute overrides it runs the code another way
+                    reads.setdefault((where, name), _MISSING)
             return object.__getattribute__(self, name)
 
         _RECORDING[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,

@@ -95,6 +95,26 @@ def test_differing_layers_match_single_device(build: Callable[[], torch.nn.Modul
     assert_equivalent(build, axes, plan, inputs, steps=2)
 
 
+def test_layers_differing_in_plain_attributes_are_captured_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later layer that overrides a class attribute the first read, has one the first read through ``getattr``'s
+    default, or holds a value equal to the first's but not the same to its code (``(True,)`` and ``(1,)``, ``-0.0``
+    and ``0.0``) got the first layer's capture: each printed ``mul(..., 1.0)`` and trained wrong."""
+    from fxpar.testing.user_models import per_layer_attributes
+
+    x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)),)
+    programs = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(per_layer_attributes, {"dp": 2}, x)
+            programs[on] = pm.program(0)
+    assert pm._compiled.stages[0].notes["captures"].whole
+    captures = _compile(per_layer_attributes, {"dp": 2}, x)._compiled.stages[0].notes["captures"]
+    assert (captures.blocks, captures.distinct) == (6, 5)  # layers 0 and 1 share
+    assert programs[True] == programs[False]
+    for value in ("0.5", "3.0", "2.0", "-1.0"):
+        assert f", {value})" in programs[True]
+
+
 def test_sharing_escape_hatch_traces_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``FXPAR_SHARING=0`` captures the whole model and lowers every rank on its own."""
     with sharing(False, monkeypatch):

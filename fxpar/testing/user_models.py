@@ -5,6 +5,7 @@ Module-level so that spawned gloo ranks can unpickle them; they import nothing f
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -414,3 +415,46 @@ class FrozenBackbone(nn.Module):
 def frozen_backbone() -> FrozenBackbone:
     torch.manual_seed(0)
     return FrozenBackbone()
+
+
+class AttributeBlock(nn.Module):
+    """A block whose code reads plain attributes some layers set on the instance: a class default one layer
+    overrides, ``getattr`` with a default, a flag tuple, a signed zero."""
+
+    scale = 1.0
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.flags = (1,)
+        self.sign = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = getattr(self, "gate", 1.0)
+        flag = 2.0 if self.flags[0] is True else 1.0
+        return x + self.scale * gate * flag * math.copysign(1.0, self.sign) * self.lin(x)
+
+
+class PerLayerAttributes(nn.Module):
+    """Six ``AttributeBlock``s; layers 2 to 5 each change one attribute (layers 0 and 1 alike)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)  # so that layer 0's input needs a gradient, as layer 1's does
+        self.layers = nn.ModuleList(AttributeBlock(width) for _ in range(6))
+        self.head = nn.Linear(width, 4)
+        self.layers[2].scale = 0.5
+        self.layers[3].gate = 3.0
+        self.layers[4].flags = (True,)
+        self.layers[5].sign = -0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def per_layer_attributes() -> PerLayerAttributes:
+    torch.manual_seed(0)
+    return PerLayerAttributes()
