@@ -178,6 +178,8 @@ def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,
     repeated = _repeated(model, blocks)
     if not repeated and (split := _balanced_at_module_boundaries(gm, n_stages, cost)) is not None:
         return split
+    if repeated:
+        blocks = every_block_list(model, gm.graph) or blocks
     if n_stages > max(len(blocks), 1):
         found = (f"the {len(blocks)} splittable blocks of {type(model).__name__} ({', '.join(blocks[:3])}"
                  f"{', ...' if len(blocks) > 3 else ''}{_reused_note(model)})" if blocks else
@@ -187,6 +189,27 @@ def choose_starts(gm: fx.GraphModule, model: torch.nn.Module, n_stages: int,
         raise PlanError(f"stages={n_stages} is more than {found}{through}; use fewer stages, or name the modules that "
                         "start each stage (Plan(stages=[...]))")
     return _balanced(gm, blocks, n_stages, cost)
+
+
+def every_block_list(model: torch.nn.Module, graph: fx.Graph) -> list[str]:
+    """The entries of every list of repeated blocks (a ``BLOCK_CONTAINERS`` container with two alike children) that
+    is not inside another's entries, in the order the graph first calls them: an encoder's and a decoder's layers
+    (BART, T5, Whisper), a U-Net's down and up blocks; not the experts inside a layer. Empty when some entry is
+    never called (its position in the data flow is unknown)."""
+    lists = [name for name, mod in model.named_modules()
+             if isinstance(mod, BLOCK_CONTAINERS) and len(mod) and _most_alike(mod) >= 2]
+    outer = [name for name in lists if not any(name.startswith(o + ".") for o in lists if o != name and o)]
+    entries = [f"{name}.{child}" if name else child
+               for name in outer for child, _ in model.get_submodule(name).named_children()]
+    wanted, first = set(entries), {}
+    for i, n in enumerate(graph.nodes):
+        parts = module_path(n).split(".")
+        for k in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:k])
+            if prefix in wanted:
+                first.setdefault(prefix, i)
+                break
+    return sorted(entries, key=first.__getitem__) if len(first) == len(entries) else []
 
 
 def _repeated(model: torch.nn.Module, blocks: list[str]) -> bool:
