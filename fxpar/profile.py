@@ -27,7 +27,7 @@ import torch
 from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, compile_model
 from fxpar.costs import node_bytes, node_flops, sample_time, weight_nodes
-from fxpar.errors import PlanError
+from fxpar.errors import CaptureError, PlanError
 from fxpar.memory import nbytes
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
@@ -76,9 +76,17 @@ def profile_model(model: torch.nn.Module, example_inputs: Any, cluster: Cluster,
     one = _slice_batch(example_inputs)
     plan = Plan(param_dtype=param_dtype)
     cut = (lambda k: _truncated(model, blocks, alike[:k])) if len(blocks) > 1 else None
-    small = compile_model(cut(1), _ONE_RANK, one, plan, loss_fn) if cut else None
-    two_model = cut(2) if cut and (len(blocks) > 2 or alike != blocks) else model
-    two = compile_model(two_model, _ONE_RANK, one, plan, loss_fn)
+    try:
+        small = compile_model(cut(1), _ONE_RANK, one, plan, loss_fn) if cut else None
+        two_model = cut(2) if cut and (len(blocks) > 2 or alike != blocks) else model
+        two = compile_model(two_model, _ONE_RANK, one, plan, loss_fn)
+    except CaptureError:
+        if cut is None:
+            raise
+        # the model's own code needs every block (a U-Net pops its skip connections): profile it as one block
+        blocks = alike = [""]
+        small, two_model = None, model
+        two = compile_model(model, _ONE_RANK, one, plan, loss_fn)
     prog = two.stages[0]
     block = _first_kept(model, blocks, alike)
     groups = find_groups(prog, module_table(two_model), block)

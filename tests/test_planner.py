@@ -21,6 +21,7 @@ from fxpar.models.llama import hf_llama_plan, llama, llama_plan
 from fxpar.modules import module_table
 from fxpar.stages import block_paths
 from fxpar.testing.error_models import next_token_loss
+from fxpar.testing.loss_models import mean_square
 from fxpar.tp_styles import find_groups
 
 TOKENS = torch.randint(0, 256, (8, 16))
@@ -281,6 +282,21 @@ def test_a_model_whose_first_layer_differs_is_profiled_by_its_common_layers() ->
         warnings.simplefilter("error", fxpar.FxparWarning)
         pm = fxpar.parallelize(model, fxpar.Mesh({"pp": 2, "tp": 2}, fake=True), (TOKENS,), loss_fn=next_token_loss)
     assert pm.plan.stages and pm.plan.tp and "chosen" in pm.plan.notes["auto"]
+
+
+def test_a_model_that_needs_every_block_is_profiled_whole() -> None:
+    """The profile cuts the block list to one and two blocks; a model whose code pops skip connections the down
+    blocks pushed fails cut (``IndexError: pop from empty list``), and ``plan="auto"`` raised that as a CaptureError
+    although the model traces whole. It is now profiled as one block; ``Plan(stages=2)`` splits at its up blocks."""
+    from fxpar.testing.user_models import skip_stack
+
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    pm = fxpar.parallelize(skip_stack(), fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), (x,), plan="auto",
+                           cluster=H100.with_gpus(4))
+    assert "chosen" in pm.plan.notes["auto"]
+    pm = fxpar.parallelize(skip_stack(), fxpar.Mesh({"pp": 2}, fake=True), (x,), plan=fxpar.Plan(stages=2),
+                           loss_fn=mean_square)
+    assert pm.plan.notes["stage starts"] == "up.0"
 
 
 @pytest.mark.parametrize("cluster", [None, H100.with_gpus(2)], ids=["measured", "h100"])

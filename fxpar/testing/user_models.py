@@ -491,3 +491,29 @@ class EncoderDecoder(nn.Module):
 def encoder_decoder() -> EncoderDecoder:
     torch.manual_seed(0)
     return EncoderDecoder()
+
+
+class SkipStack(nn.Module):
+    """U-Net-style skip connections between two lists of alike blocks: the up blocks pop what the down blocks
+    pushed, so the model's code needs both lists whole (cut to fewer down blocks, the pops run out)."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.down = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.up = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, skips = self.inp(x), []
+        for block in self.down:
+            h = torch.tanh(block(h))
+            skips.append(h)
+        for block in self.up:
+            h = torch.tanh(block(h + skips.pop()))
+        return self.out(h)
+
+
+def skip_stack() -> SkipStack:
+    torch.manual_seed(0)
+    return SkipStack()
