@@ -187,7 +187,7 @@ def _rank(profile: ModelProfile, cluster: Cluster, fixed: dict[str, Any],
             else:
                 report.pruned.setdefault(f"pp={pp} dp={dp} tp={tp} (some plans)", "memory over HBM")
     if not fits:
-        raise PlanError(_fits_nowhere(profile, cluster, smallest))
+        raise PlanError(_fits_nowhere(profile, cluster, smallest, report.pruned))
     fits.sort(key=lambda x: x[0].step_time)
     return _prefer_simple(fits, lambda x: x[0].step_time, lambda x: x[1])
 
@@ -211,10 +211,15 @@ def _prefer_simple(items: list[Any], seconds: Any, choice: Any) -> list[Any]:
     return [simplest] + [x for x in items if x is not simplest]
 
 
-def _fits_nowhere(profile: ModelProfile, cluster: Cluster, smallest: tuple[float, ClosedForm, Choice] | None) -> str:
+def _fits_nowhere(profile: ModelProfile, cluster: Cluster, smallest: tuple[float, ClosedForm, Choice] | None,
+                  pruned: dict[str, str]) -> str:
     if smallest is None:
+        why = "; ".join(f"{family}: {reason}" for family, reason in pruned.items())
+        hint = (" (the planner counts the entries of one list of alike blocks; Plan(stages=n) or "
+                "Plan(stages=[module paths]) splits other models)" if any(f.startswith("pp>") for f in pruned)
+                else "")
         return (f"no mesh of {cluster.gpus} GPUs suits this model and batch ({profile.batch} samples, "
-                f"{profile.n_blocks} blocks): see the fixed axes and the batch size")
+                f"{profile.n_blocks} blocks): {why or 'see the fixed axes and the batch size'}{hint}")
     mem, cf, ch = smallest
     activation_part = mem - _states_bytes(cf, ch, profile)
     dominant = "parameters, gradients and optimizer state" if activation_part < mem / 2 else "activations"

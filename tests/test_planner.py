@@ -299,6 +299,17 @@ def test_a_model_that_needs_every_block_is_profiled_whole() -> None:
     assert pm.plan.notes["stage starts"] == "up.0"
 
 
+def test_no_mesh_error_says_which_family_was_pruned_and_why() -> None:
+    """It said "see the fixed axes and the batch size" where neither was the cause: a pipeline axis on a model
+    without a list of alike blocks."""
+    from fxpar.testing.user_models import temporal_conv
+
+    x = torch.randn(4, 8, 10, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(fxpar.PlanError, match=r"pp>1: more pipeline stages than the model's 1 blocks .*Plan\(stages"):
+        fxpar.parallelize(temporal_conv(), fxpar.Mesh({"pp": 2}, fake=True), (x,), plan="auto",
+                          cluster=H100.with_gpus(2), loss_fn=mean_square)
+
+
 @pytest.mark.parametrize("cluster", [None, H100.with_gpus(2)], ids=["measured", "h100"])
 def test_auto_replicates_tiny_widths_at_a_large_batch(cluster) -> None:  # noqa: ANN001
     """Width 8, no wider inside, 4096 samples: each sample's tp reductions move more bytes than sharding saves."""
