@@ -102,6 +102,15 @@ def test_a_gradient_at_the_rounding_floor_may_move_its_parameter_but_a_wrong_upd
     assert_equivalent(hf_clip, {"dp": 2}, fxpar.Plan(zero=3), clip_batch(), loss_fn=model_loss, steps=2)
 
 
+def test_tolerance_follows_the_least_precise_dtype_of_the_plan_and_the_model() -> None:
+    """Gradients reduced in bf16 (``reduce_dtype`` without ``param_dtype``, as FSDP2 allows) were judged at fp32
+    tolerance: false mismatches. The tolerance is for the least precise of ``param_dtype``, ``reduce_dtype`` and the
+    model's parameters."""
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    plan = fxpar.Plan(zero=3, reduce_dtype=torch.bfloat16)
+    assert_equivalent(partial(mlp, dim=32, hidden=256, out=32), {"dp": 2}, plan, (x,), steps=2)
+
+
 def test_user_error_keeps_its_type() -> None:
     with pytest.raises(fxpar.PlanError, match=r"did you mean: up") as info:
         assert_equivalent(mlp, {"tp": 2}, {"upp": "colwise"}, (torch.randn(8, 32),))

@@ -226,9 +226,12 @@ def _param_dtype(case: Case) -> torch.dtype | None:
 
 
 def _compute_dtype(case: Case, reference: torch.nn.Module) -> torch.dtype:
-    """The dtype the tolerance is for: the plan's ``param_dtype``, else the model's parameters'."""
-    return _param_dtype(case) or next((p.dtype for p in reference.parameters() if p.is_floating_point()),
-                                      torch.float32)
+    """The dtype the tolerance is for: the least precise of the plan's ``param_dtype`` and ``reduce_dtype`` and the
+    model's floating parameters (one bf16 ``Linear`` in an fp32 model, or gradients reduced in bf16, round the whole
+    comparison at bf16)."""
+    dtypes = {p.dtype for p in reference.parameters() if p.is_floating_point()}
+    dtypes |= {d for d in (_param_dtype(case), getattr(case.plan, "reduce_dtype", None)) if d is not None}
+    return max(dtypes or {torch.float32}, key=lambda d: torch.finfo(d).eps)
 
 
 def _check_rank(case: Case, mesh: fxpar.Mesh, rank: int, reference: torch.nn.Module,
