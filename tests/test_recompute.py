@@ -58,6 +58,10 @@ def test_budget_is_respected_and_spends_it_on_matmuls(budget: int) -> None:
 def test_budget_below_the_block_inputs_is_a_clear_error() -> None:
     with pytest.raises(fxpar.PlanError, match=r"recompute budget 1,000 B is below the minimum .* B \(every block's"):
         _activations(1000)
+    # with stages, the budget holds for each stage's forward of one microbatch: the error names the stage
+    with pytest.raises(fxpar.PlanError, match=r"minimum stage 1's forward \(one microbatch, on its first rank\)"):
+        fxpar.parallelize(llama(n_layers=4), fxpar.Mesh({"pp": 2}, fake=True), (TOKENS,),
+                          plan=fxpar.Plan(stages=2, microbatches=2, recompute=20_000), loss_fn=next_token_loss)
 
 
 def test_saved_activations_full_at_most_a_quarter_of_none_and_selective_between() -> None:

@@ -47,7 +47,10 @@ def budgeted(prog: Program, full: frozenset[str], budget: int) -> frozenset[str]
     n_out = prog.signature.num_outputs
     least = joint_saved_bytes(joint, full, n_out)
     if least > budget:
-        raise PlanError(f"recompute budget {budget:,} B is below the minimum rank 0 can save: {least:,} B (every "
+        stage = prog.notes.get("stage")
+        where = (f"stage {stage.index}'s forward (one microbatch, on its first rank) can save"
+                 if stage is not None and stage.n_stages > 1 else "rank 0 can save")
+        raise PlanError(f"recompute budget {budget:,} B is below the minimum {where}: {least:,} B (every "
                         "block's input, plus what the model saves outside its blocks); raise the budget or use "
                         "recompute='full'")
     keep = set(full)
