@@ -288,7 +288,7 @@ def test_a_model_that_needs_every_block_is_profiled_whole() -> None:
     """The profile cuts the block list to one and two blocks; a model whose code pops skip connections the down
     blocks pushed fails cut (``IndexError: pop from empty list``), and ``plan="auto"`` raised that as a CaptureError
     although the model traces whole. It is now profiled as one block; ``Plan(stages=2)`` splits at its up blocks."""
-    from fxpar.testing.user_models import skip_stack
+    from fxpar.testing.block_models import skip_stack
 
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
     pm = fxpar.parallelize(skip_stack(), fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), (x,), plan="auto",

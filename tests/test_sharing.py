@@ -99,7 +99,7 @@ def test_layers_differing_in_plain_attributes_are_captured_apart(monkeypatch: py
     """A later layer that overrides a class attribute the first read, has one the first read through ``getattr``'s
     default, or holds a value equal to the first's but not the same to its code (``(True,)`` and ``(1,)``, ``-0.0``
     and ``0.0``) got the first layer's capture: each printed ``mul(..., 1.0)`` and trained wrong."""
-    from fxpar.testing.user_models import per_layer_attributes
+    from fxpar.testing.block_models import per_layer_attributes
 
     x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)),)
     programs = {}

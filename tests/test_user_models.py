@@ -9,11 +9,11 @@ import torch
 
 import fxpar
 from fxpar.testing import assert_equivalent
+from fxpar.testing.block_models import encoder_decoder
 from fxpar.testing.loss_models import mean_square
 from fxpar.testing.titan_llama import TITAN_TP, titan_llama, token_cross_entropy
 from fxpar.testing.user_models import (
     SHARED_LAYERS_TP,
-    encoder_decoder,
     logits_square,
     optional_loss,
     residual_stack,
