@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from fxpar.rank_step import backward_halves, boundary_meta, rank_step
+from fxpar.rank_step import backward_halves, rank_step
 
 if TYPE_CHECKING:
     from fxpar.compiled import Compiled
@@ -239,7 +239,7 @@ class _Boundary:
 
 def _boundary(prog: Program, rp: RankProgram, last: bool) -> _Boundary:
     """The rank forward's placeholders are the parameters, the buffers, then the received values (in
-    ``boundary_meta``'s order) and the user's inputs."""
+    ``fxpar.rank_step.boundary_meta``'s order) and the user's inputs."""
     num_outputs = prog.signature.num_outputs
     roots = saved_roots(rp.forward, num_outputs)
     sent = sum(nbytes(o) for o in rp.forward.graph.output_node().args[0][:num_outputs] if isinstance(o, fx.Node)
@@ -260,7 +260,6 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
     executor awaits it there) and a backward send until the step's ``wait_sends``, unless a receive proves either
     arrived earlier (``wait_SEND_F``, ``wait_SEND_B``); what a send moves is counted from the return of the graph
     that made it, where it lives beside that graph's inputs."""
-    coord = c.mesh.coord(rank)
     live = peak = 0
     until_forward: dict[tuple[int, int], int] = {}
     until_backward: dict[tuple[int, int], int] = {}
@@ -276,8 +275,7 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
         key = (e.stage, e.mb)
         if e.kind == "RECV_F":
             receiver = e.stage + 1
-            received = boundary_meta(c.stages[receiver], coord)
-            for position, cm in zip(range(len(received)), e.comms, strict=True):
+            for position, cm in enumerate(e.comms):  # in ``fxpar.rank_step.boundary_meta``'s order, as the placeholders
                 held = until_backward if position in kept[receiver].saved_received else until_forward
                 held[(receiver, e.mb)] = held.get((receiver, e.mb), 0) + cm.row.bytes
                 live += cm.row.bytes
