@@ -35,6 +35,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.nn.modules.batchnorm import _NormBase
 
+from fxpar.structure import structure_of
+
 
 @contextmanager
 def computing_in(model: torch.nn.Module, param_dtype: torch.dtype | None) -> Iterator[None]:
@@ -81,7 +83,7 @@ def _fsdp_units(model: torch.nn.Module) -> set[int]:
     for container in model.modules():
         if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
             kids = list(container.children())
-            keys = [(type(k), tuple((n, tuple(p.shape)) for n, p in k.named_parameters())) for k in kids]
+            keys = [structure_of(k) for k in kids]
             units.update(id(k) for k, key in zip(kids, keys, strict=True) if keys.count(key) > 1)
     return units
 

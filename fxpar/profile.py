@@ -33,7 +33,8 @@ from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.modules import module_table
 from fxpar.plan import Plan
-from fxpar.stages import block_paths, structure_of
+from fxpar.stages import block_paths
+from fxpar.structure import structure_of
 from fxpar.tp_styles import TpGroup, find_groups
 
 _ONE_RANK = Mesh({"dp": 1}, fake=True)

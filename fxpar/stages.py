@@ -27,6 +27,7 @@ from fxpar.blocks import BLOCK_CONTAINERS
 from fxpar.capture import _clean_module_path
 from fxpar.errors import PlanError, close_matches
 from fxpar.ir import graph_module
+from fxpar.structure import structure_of
 
 aten = torch.ops.aten
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int, aten.t.default,
@@ -141,11 +142,6 @@ def block_paths(model: torch.nn.Module) -> list[str]:
                 best_key = key
                 best = [f"{name}.{child}" if name else child for child, _ in mod.named_children()]
     return best
-
-
-def structure_of(m: torch.nn.Module) -> tuple:
-    """A block's class and parameter names and shapes: equal for blocks a list repeats."""
-    return type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())
 
 
 def _most_alike(container: torch.nn.Module) -> int:
