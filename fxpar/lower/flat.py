@@ -18,6 +18,8 @@ concatenation ``[n, sum k]``: rank ``r``'s row is its shards back to back, the l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
@@ -31,6 +33,11 @@ c10d = torch.ops._c10d_functional
 
 class FlatBuckets:
     """The methods ``Lowerer`` uses for flat ZeRO buckets (state lives on the lowerer)."""
+
+    @functools.cached_property
+    def zero_units(self) -> dict[str, str]:
+        """Each parameter's ZeRO group (``fxpar.passes.overlap.block_units``), computed once per lowering."""
+        return block_units([fqn for fqn, _ in self.prog.signature.params])
 
     def zero_buckets(self, fqns: list[str]) -> list[list[str]]:
         """``fqns`` (ZeRO shards) as the overlap pass bucketed them; one per bucket otherwise (no overlap)."""
@@ -112,8 +119,7 @@ class FlatBuckets:
         """The module a bucket's collective is attributed to: its block (``layers.3``), else what it holds."""
         if len(fqns) == 1:
             return fqns[0]
-        unit = block_units([fqn for fqn, _ in self.prog.signature.params])
-        blocks = {unit[fqn] for fqn in fqns}
+        blocks = {self.zero_units[fqn] for fqn in fqns}
         if len(blocks) == 1 and "" not in blocks:
             return blocks.pop()
         return f"bucket of {len(fqns)}: {fqns[0]} .. {fqns[-1]}"
