@@ -34,10 +34,17 @@ from fxpar.mesh import Mesh
 from fxpar.mixed_precision import computing_in
 from fxpar.moe import experts_as_ops
 from fxpar.reparametrize import swapped_in
-from fxpar.simplify import bias_after_token_view, bmm_over_heads, drop_identity_batch_index, tokens_unflattened
+from fxpar.simplify import (
+    bias_after_token_view,
+    bmm_over_heads,
+    drop_identity_batch_index,
+    round_trip_views,
+    tokens_unflattened,
+)
 from fxpar.source import _clean_module_path, user_source
 from fxpar.split import CONTEXT_AXIS
 from fxpar.stitch import Blocks, Captures, name_as_whole, stitch, without_onednn
+from fxpar.token_rows import token_rows_unflattened
 
 _BLOCKS_FILE = os.path.abspath(_blocks_module.__file__)
 log = logging.getLogger("fxpar.capture")
@@ -185,6 +192,7 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         bmm_over_heads(gm)
         if mesh.axes.get(CONTEXT_AXIS, 1) > 1:  # the sequence is sharded: keep Linear's tokens un-flattened
             tokens_unflattened(gm)
+        round_trip_views(gm)
     buffer_writes_as_copies(gm)
     _refuse_mutations(gm, model)
     signature = _signature(gm, joint, args, canonical_names(model))
@@ -243,7 +251,9 @@ def without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
 def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.ExportedProgram:
     try:
         with without_kv_cache(model), _meta_failures_unlogged():
-            return torch.export.export(model, args, strict=False)
+            ep = torch.export.export(model, args, strict=False)
+        token_rows_unflattened(ep.graph_module)
+        return ep
     except NotShared:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a CaptureError

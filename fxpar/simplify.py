@@ -197,6 +197,30 @@ def tokens_unflattened(gm: fx.GraphModule) -> int:
     return rewritten
 
 
+def round_trip_views(gm: fx.GraphModule) -> int:
+    """``view(view(x, s1), x.shape)`` -> ``x`` for a contiguous ``x``: the same values, laid out alike.
+
+    AOTAutograd leaves such pairs where a 3-D ``matmul``'s flattened product meets an in-place add (Falcon's
+    ``mlp_output += attention_output``). With the sequence sharded the flatten is no plain shard, so the pair
+    gathered the whole stream. Ensures: users of the outer view read ``x``; views left unused are erased.
+    Returns how many pairs were bypassed.
+    """
+    rewritten = 0
+    for n in list(gm.graph.nodes):
+        inner = n.args[0] if n.op == "call_function" and n.target in FLAT_VIEWS else None
+        if not (isinstance(inner, fx.Node) and inner.target in FLAT_VIEWS and isinstance(inner.args[0], fx.Node)):
+            continue
+        x, val = inner.args[0].meta.get("val"), n.meta.get("val")
+        if isinstance(x, torch.Tensor) and isinstance(val, torch.Tensor) and x.shape == val.shape \
+                and x.dtype == val.dtype and x.is_contiguous():
+            n.replace_all_uses_with(inner.args[0])
+            _erase_unused_chain(gm.graph, n)
+            rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
 def bias_after_token_view(gm: fx.GraphModule) -> int:
     """``view(add(mm(x, w), bias), [*L, N])`` -> ``add(view(mm(x, w), [*L, N]), bias)``: the same values.
 

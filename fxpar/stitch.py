@@ -32,6 +32,7 @@ from fxpar.creation_order import dead_names_before, recording_names
 from fxpar.grad_accumulation import absorbed, accumulation_chains
 from fxpar.ir import Provenance, graph_module
 from fxpar.source import _clean_module_path, user_source
+from fxpar.token_rows import token_rows_unflattened
 
 _BLOCK, _BLOCK_BACKWARD = BLOCK_OPS
 _THIS_FILE = os.path.abspath(__file__)
@@ -178,6 +179,7 @@ def _trace(site: Site, used: tuple[int, ...], fake_mode: Any) -> Representative:
             made.append(t.requires_grad_(requires_grad))
         args = tuple(made)
         ep = torch.export.export(wrapper, args, strict=False)
+        token_rows_unflattened(ep.graph_module)
         with ExitStack() as stack, without_onednn(), recording_names():
             joint = aot_export_joint_with_descriptors(stack, ep.module(), args, decompositions=CAPTURE_DECOMPOSITIONS)
     return _representative(joint.graph_module, site, used, ep.graph_module.graph, len(args))

@@ -34,9 +34,10 @@ HF_PLAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gp
            "mixtral_batched", "qwen2_moe", "qwen3_moe", "olmoe", "olmo2", "granite", "starcoder2"}
 # families whose forward moves only k, v (per layer) and the logits over cp: every other activation stays a
 # sequence shard (T5 and BART also return the encoder's output, gathered too). The rest also compile and match, but
-# gather more: OPT and Falcon flatten tokens themselves before their MLP, MoE experts run on flattened tokens
-CP_LEAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "gpt2", "bert",
-           "olmo2", "stablelm", "granite", "starcoder2"}
+# gather more: MoE experts run on flattened tokens. (OPT flattens its tokens itself before its MLP, and Falcon's
+# 3-D matmul meets an in-place add as a flatten and un-flatten: fxpar.token_rows and round_trip_views keep both.)
+CP_LEAN = {"llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3", "phi3", "gpt_neox", "cohere", "falcon", "gpt2",
+           "opt", "bert", "olmo2", "stablelm", "granite", "starcoder2"}
 ON_GLOO = ["llama", "gemma2", "phi3", "gpt_neox", "bert", "t5", "gpt2", "mixtral", "mixtral_batched", "qwen2_moe"]
 
 

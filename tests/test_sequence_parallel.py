@@ -111,6 +111,25 @@ def test_hf_starcoder2_biased_rows_with_sequence_parallel_match_single_device() 
                       hf_families.inputs("starcoder2"), steps=2)
 
 
+def test_a_model_that_flattens_its_tokens_keeps_them_sequence_sharded() -> None:
+    """HF OPT's decoder layer flattens the stream to ``[b * s, h]`` itself and runs its MLP and residual add there;
+    that flatten of a sequence shard is no plain shard, so every layer gathered the tokens, all-reduced ``fc2``'s
+    product and left the stream replicated (1.75x Megatron's bytes). ``fxpar.token_rows`` keeps the row-wise
+    stretch un-flattened: no tp all-reduce is larger than a norm's gradient, every layer reduce-scatters twice
+    each way, and dp=2 x tp=2 matches the single device (fp32, the default rtol 1e-5)."""
+    pytest.importorskip("transformers")
+    from fxpar.models import hf_families
+
+    batch, plan = hf_families.inputs("opt"), fxpar.Plan(tp=hf_families.TP_PLANS["opt"], sequence_parallel=True)
+    pm = fxpar.parallelize(hf_families.opt(), fxpar.Mesh({"tp": 4}, fake=True), batch, plan=plan)
+    rows = [r for r in pm.ledger(0) if r.axis == "tp"]
+    stream = batch[0].numel() * hf_families.HIDDEN * 4
+    assert max(r.bytes for r in rows if r.op == "all_reduce") == hf_families.HIDDEN * 4
+    assert Counter((r.phase, r.op) for r in rows if r.bytes == stream)[("fwd", "reduce_scatter")] \
+        == 2 * hf_families.LAYERS
+    assert_equivalent(hf_families.opt, {"dp": 2, "tp": 2}, plan, batch, steps=2)
+
+
 def test_saved_activations_shrink() -> None:
     mems = {sp: fxpar.parallelize(_hf_llama(2), fxpar.Mesh({"tp": 2}, fake=True), (TOKENS,),
                                   plan=fxpar.Plan(tp=hf_llama_plan(), sequence_parallel=sp)).memory(0)

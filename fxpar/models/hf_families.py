@@ -199,6 +199,9 @@ TP_PLANS = {
     "bert": {"bert.encoder.layer.*.attention.self.*": "colwise",
              "bert.encoder.layer.*.attention.output.dense": "rowwise",
              "bert.encoder.layer.*.intermediate.dense": "colwise", "bert.encoder.layer.*.output.dense": "rowwise"},
+    "opt": {"model.decoder.layers.*.self_attn.[qkv]_proj": "colwise",
+            "model.decoder.layers.*.self_attn.out_proj": "rowwise", "model.decoder.layers.*.fc1": "colwise",
+            "model.decoder.layers.*.fc2": "rowwise"},
     "t5": {"*.SelfAttention.[qkv]": "colwise", "*.SelfAttention.o": "rowwise", "*.EncDecAttention.[qkv]": "colwise",
            "*.EncDecAttention.o": "rowwise", "*.DenseReluDense.wi": "colwise", "*.DenseReluDense.wo": "rowwise"},
 }
