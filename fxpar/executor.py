@@ -32,6 +32,9 @@ class StageRunner:
     """One stage's graphs on this rank (any callables: bound ``GraphModule``s in process, functions of a saved rank
     file under ``fxpar.run``) and its calling convention (``StageSpec``)."""
 
+    # ``pm(...)``'s backward: the parameters no gradient of the outputs outside ``dead`` reaches (``fxpar.unreached``)
+    unreached: Callable[[frozenset[int]], frozenset[str]] | None = None
+
     def __init__(self, spec: StageSpec, graphs: dict[str, Callable[..., Any]]) -> None:
         self.spec = spec
         self.forward, self.backward = graphs["forward"], graphs["backward"]
@@ -91,8 +94,11 @@ class StepExecutor(StepLosses):
     ``events`` is the list it runs (``fxpar.rank_step``); ``fxpar.verify(pm, events=...)`` checks a list.
     Requires: ``runners`` for every stage the events name; ``loss_fn`` takes the output leaves (not the
     model's output structure: the caller rebuilds it, so a saved program needs no model class).
-    Ensures: after ``run``, each gradient this rank holds was handed to ``state.add_local_grad`` once.
+    Ensures: after ``run``, each gradient this rank holds was handed to ``state.add_local_grad`` once, except
+    those of ``unreached`` (parameters the loss does not reach, ``fxpar.unreached``: their ``.grad`` stays as it was).
     """
+
+    unreached: frozenset[str] | None = None  # set by the module before its first training step
 
     def __init__(self, state: RankState, runners: dict[int, StageRunner], events: list[StepEvent], spec: RankSpec,
                  loss_fn: LossFn, tie_groups: dict[str, Any]) -> None:
@@ -121,7 +127,8 @@ class StepExecutor(StepLosses):
                                      "dur": (time.perf_counter() - start) * 1e6, "pid": 0, "tid": self.rank,
                                      "cat": event.kind})
             for fqn, g in ({} if forward_only else self.totals(st)).items():
-                self.state.add_local_grad(fqn, g)
+                if fqn not in (self.unreached or ()):
+                    self.state.add_local_grad(fqn, g)
         if trace is not None:
             write_trace(trace, st.trace, self.rank)
         assert st.loss is not None, "a step's events end with the loss"

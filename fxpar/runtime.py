@@ -7,6 +7,7 @@ No DTensor dispatch happens in the step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from fxpar.rank_spec import rank_spec
 from fxpar.rank_step import StepEvent, rank_step, step_ledger
 from fxpar.schedules import Schedule
 from fxpar.stages import stage_costs
+from fxpar.unreached import loss_dead_outputs, microbatch_rows, unreached_params
 
 
 class _RankStep(torch.autograd.Function):
@@ -52,6 +54,7 @@ class _RankStep(torch.autograd.Function):
             for pos in runner.zero_positions:
                 flat[pos] = full[runner.param_fqns[pos]]
         results = runner.forward(*flat)
+        ctx.set_materialize_grads(False)  # an output the loss does not read comes back None (``fxpar.unreached``)
         n = runner.num_outputs
         ctx.runner, ctx.saved = runner, results[n:]
         ctx.n_inputs = len(flat)
@@ -63,6 +66,8 @@ class _RankStep(torch.autograd.Function):
         runner = ctx.runner
         tangents = [grads[idx] if grads[idx] is not None else torch.zeros_like(ctx.out_like[idx])
                     for idx in runner.tangent_outputs]
+        dead = frozenset(idx for idx in runner.tangent_outputs if grads[idx] is None)
+        unreached = runner.unreached(dead) if dead and runner.unreached is not None else frozenset()
         param_grads = list(runner.backward(*ctx.saved, *tangents))
         ctx.saved = None
         if runner.reduce is not None:  # the dp reduction, once per backward on this path
@@ -74,7 +79,8 @@ class _RankStep(torch.autograd.Function):
         cut = cut_from_larger([param_grads[pos] for pos in runner.grad_fqn])  # keep a shard, not its whole
         for pos, fqn in runner.grad_fqn.items():
             g = param_grads[pos]
-            out[order[fqn]] = g.clone() if id(g) in cut else g
+            if fqn not in unreached:  # a parameter the loss does not reach keeps its .grad (``fxpar.unreached``)
+                out[order[fqn]] = g.clone() if id(g) in cut else g
         return (None, *out)
 
 
@@ -222,6 +228,8 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
         """This rank's parameters as DTensors (registered under their model paths), its buffers and bound graphs."""
         self._stage_buffers, self._runners, self._tie_groups, self._pp_group = materialize(
             self, self._compiled, model, self._rank)
+        if len(self._compiled.stages) == 1 and self._runners:
+            self._runners[0].unreached = functools.lru_cache(functools.partial(unreached_params, self._compiled))
 
     def _check_runnable(self) -> None:
         if not self._runners:
@@ -259,6 +267,9 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
         self._inputs.check(flat, "pm.step")
         mb_inputs = split_microbatches(flat, c.microbatches)
         mb_targets = split_microbatches(targets, c.microbatches) if targets is not None else [None] * c.microbatches
+        if executor.unreached is None and torch.is_grad_enabled():
+            dead = loss_dead_outputs(c, self._loss_fn, targets, microbatch_rows(c))
+            executor.unreached = unreached_params(c, dead) if dead else frozenset()
         try:
             return executor.run(mb_inputs, mb_targets, trace, forward_only=not torch.is_grad_enabled())
         finally:

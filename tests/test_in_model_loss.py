@@ -19,11 +19,13 @@ from fxpar.testing import assert_equivalent
 from fxpar.testing.loss_models import (
     contrastive_encoder,
     contrastive_loss,
+    logits_only_loss,
     mean_square,
     regression_loss,
     self_loss_batch,
     self_loss_lm,
     summed_square,
+    value_head_lm,
 )
 
 
@@ -125,3 +127,19 @@ def test_a_contrastive_loss_inside_the_model_is_exact_on_dp() -> None:
     images = torch.randn(8, 10, generator=torch.Generator().manual_seed(0))
     texts = torch.randn(8, 10, generator=torch.Generator().manual_seed(1))
     assert_equivalent(contrastive_encoder, {"dp": 2}, fxpar.Plan(zero=1), (images, texts), steps=2)
+
+
+@pytest.mark.parametrize(("axes", "plan", "with_targets"), [
+    ({"dp": 2}, fxpar.Plan(zero=3), True),  # pm.step
+    ({"pp": 2}, fxpar.Plan(schedule="gpipe", microbatches=2), True),  # the head on the last stage
+    ({"dp": 2}, fxpar.Plan(), False),  # pm(x) then loss.backward()
+], ids=["dp2-zero3-step", "pp2-step", "dp2-backward"])
+def test_parameters_the_loss_does_not_reach_keep_no_gradient(axes: dict[str, int], plan: fxpar.Plan,
+                                                              with_targets: bool) -> None:
+    """The loss reads only the logits: on one device the value head's ``.grad`` stays None and AdamW leaves it
+    alone. fxpar fed its output a zero gradient and handed the head zeros, which AdamW decayed (``fxpar.unreached``
+    now keeps them None); the harness compares gradients None for None, and parameters after 3 steps."""
+    tokens = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    assert_equivalent(value_head_lm, axes, plan, (tokens,), steps=3, loss_fn=logits_only_loss,
+                      targets=targets if with_targets else None)

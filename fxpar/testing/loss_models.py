@@ -151,3 +151,35 @@ def clip_batch(seed: int = 0) -> dict[str, Any]:
 def model_loss(out: Any, targets: Any = None) -> torch.Tensor:
     """The loss a model computed itself (``out["loss"]``)."""
     return out["loss"]
+
+
+class ValueHeadLM(nn.Module):
+    """A language model with a second head the loss may leave out (a value head, as in RLHF): returns
+    ``{"logits": [b, s, vocab], "value": [b, s]}``."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
+                                    for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+        self.value = nn.Linear(dim, 1)
+
+    def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return {"logits": self.head(x), "value": self.value(x).squeeze(-1)}
+
+
+def value_head_lm() -> ValueHeadLM:
+    return ValueHeadLM()
+
+
+def logits_only_loss(out: dict[str, torch.Tensor], targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross entropy on ``out["logits"]`` (or, without targets, their mean square): the value head's
+    parameters get no gradient."""
+    logits = out["logits"]
+    if targets is None:
+        return logits.square().mean()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
