@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from fxpar.backends.comm import COLLECTIVES, group_arg_index
 from fxpar.ir import Program
@@ -249,7 +250,10 @@ def _tied(compiled: Compiled, rank: int, fqn: str, ranks: tuple[int, ...]) -> St
     prog = next(q for q in compiled.stages if fqn in dict(q.signature.params))
     name = dict(prog.signature.params)[fqn]
     val = prog.node(name).meta["val"]
-    shape = tuple(splitter(prog).local_shape(val.shape, prog.placements[name], compiled.mesh.coord(rank)))
+    placements = list(prog.placements[name])
+    if fqn in prog.notes.get("zero", {}):  # ZeRO: the step sums this rank's dp shard of the gradient
+        placements[compiled.mesh.axis_index("dp")] = Shard(prog.notes["zero"][fqn])
+    shape = tuple(splitter(prog).local_shape(val.shape, placements, compiled.mesh.coord(rank)))
     nbytes = int(torch.Size(shape).numel()) * val.dtype.itemsize
     row = LedgerRow("bwd", "all_reduce", "pp", shape, val.dtype, nbytes, ranks)
     return StepEvent("tied", comms=(Comm("all_reduce", ranks, shape, val.dtype, row),), label=f"tied weight {fqn}",

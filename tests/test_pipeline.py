@@ -108,6 +108,18 @@ def test_gpt2_tied_embeddings_across_stages() -> None:
     assert [r.shape for r in ties] == [(128, 64)] and ties == [r for r in pm.ledger(1) if r.op == "all_reduce"]
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_tied_weights_ledger_row_is_the_dp_shard_the_step_sums(zero: int) -> None:
+    """Under ZeRO the tied-weight sum over pp runs on this rank's dp shard of the gradient: the ledger listed the
+    whole table (twice the bytes that ran, and twice what ``pm.estimate`` priced)."""
+    pytest.importorskip("transformers")
+    pm = fxpar.parallelize(error_models.gpt2(), fxpar.Mesh({"pp": 2, "dp": 2}, fake=True), (_tokens(vocab=128),),
+                           plan=fxpar.Plan(microbatches=2, zero=zero), loss_fn=next_token_loss)
+    for rank in range(4):
+        ties = [r for r in pm.ledger(rank) if r.axis == "pp" and r.op == "all_reduce"]
+        assert [(r.shape, r.bytes) for r in ties] == [((64, 64), 64 * 64 * 4)]
+
+
 def test_traced_step_writes_every_ranks_actions(tmp_path) -> None:  # noqa: ANN001
     path = str(tmp_path / "step.json")
     results = default_pool().run(error_models.pipeline_step_with_trace, 4, path, timeout=300)
