@@ -71,9 +71,12 @@ def node_flops(n: fx.Node) -> float:
         q, k = _tensor(n.args[0]), _tensor(n.args[1])
         fwd = 4.0 * q.numel() * k.shape[-2]  # QK^T and PV: 2 * (b h s_q s_kv d) each
         return 2 * fwd if "backward" in name else fwd
-    if "bmm4" in name:  # fxpar::bmm4 (batched 4-d matmul)
-        out = val[0] if isinstance(val, (tuple, list)) else val
+    out = val[0] if isinstance(val, (tuple, list)) else val
+    if "bmm4" in name or "matmul_nd" in name:  # fxpar::bmm4 (4-d batched), fxpar::matmul_nd (a Linear's, un-flattened)
         return 2.0 * out.numel() * _tensor(n.args[0]).shape[-1]
+    if "token_contract" in name:  # fxpar::token_contract: a Linear's weight gradient, summed over every token
+        a = _tensor(n.args[0])
+        return 2.0 * out.numel() * (a.numel() // a.shape[-1])
     return 0.0
 
 
