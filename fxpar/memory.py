@@ -123,15 +123,35 @@ def predict(c: Compiled, rank: int) -> Memory:
         saved[s] = saved_bytes(rp.forward, prog.signature.num_outputs)
         kept[s] = _boundary(prog, rp, last=s == len(c.stages) - 1)
         unreduced = whole_grads.get(s, 0) if c.plan.zero >= 2 else 0
+        grads_at = [idx - prog.signature.num_outputs for _, idx in prog.signature.grads]
         if s in halves:  # B, then W reading B's stash (``fxpar.rank_step.backward_halves``)
             b, w = c.stage_graph(rank, s, "backward_b"), c.stage_graph(rank, s, "backward_w")
             stash[s] = stash_bytes(b, len(prog.signature.input_grads))
-            backward_end = max(largest_live_set(b), largest_live_set(w, output_excess=True) + unreduced)
+            fresh = _fresh_grads(c, w, [p - len(prog.signature.input_grads) for p in grads_at])
+            backward_end = max(largest_live_set(b), largest_live_set(w, output_excess=True) + unreduced + fresh)
         else:
-            backward_end = largest_live_set(rp.backward, output_excess=True) + unreduced
-        transient = max(transient, largest_live_set(rp.forward), backward_end)
+            fresh = _fresh_grads(c, rp.backward, grads_at)
+            backward_end = largest_live_set(rp.backward, output_excess=True) + unreduced + fresh
+        transient = max(transient, largest_live_set(rp.forward), backward_end, _reduction(rp.reduce_grads))
     return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
                   _activations_in_flight(c, rank, saved, stash, kept), transient, sum(buffer_bytes.values()))
+
+
+def _fresh_grads(c: Compiled, backward: fx.GraphModule, positions: list[int]) -> int:
+    """Bytes of one backward's parameter gradients held beside the running sums (``fxpar.grad_sums``): with more
+    than one microbatch, every backward after the first returns its own before they are added in (ZeRO-2 and 3
+    reduce them first: counted as ``unreduced``)."""
+    if c.microbatches == 1 or c.plan.zero >= 2:
+        return 0
+    outs = backward.graph.output_node().args[0]
+    roots = {storage_root(outs[p]) for p in positions if isinstance(outs[p], fx.Node)}
+    return sum(nbytes(r) for r in roots if r.op == "call_function")
+
+
+def _reduction(reduce: fx.GraphModule | None) -> int:
+    """The temporaries of the gradient reduction run after the backwards (``reduce_grads``) beside the sums it
+    reads: the bucket it concatenates and the collective's result its outputs are slices of."""
+    return 0 if reduce is None else largest_live_set(reduce)
 
 
 def saved_per_microbatch(c: Compiled, rank: int) -> int:

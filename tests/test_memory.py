@@ -167,3 +167,22 @@ def test_transient_counts_the_outputs_of_an_op_that_nobody_takes() -> None:
     gm = make_fx(nothing_read)(x)
     assert any(n.target is torch.ops.aten.native_dropout.default for n in gm.graph.nodes)
     assert largest_live_set(gm) == 8 * 64 * 4 + 8 * 64  # both outputs, for an instant
+
+
+@pytest.mark.parametrize(("axes", "plan"), [
+    ({"dp": 2}, fxpar.Plan(microbatches=2)),
+    ({"pp": 2}, fxpar.Plan(microbatches=4, schedule="1f1b")),
+], ids=["dp2-m2", "pp2-1f1b-m4"])
+def test_the_peak_bounds_what_a_step_with_microbatches_has_alive(axes: dict[str, int], plan: fxpar.Plan) -> None:
+    """With several microbatches each backward after the first returns its gradients beside the running sums,
+    and the dp reduction runs once after them on its own bucket: ``pm.memory`` counted neither, and a real step
+    held 1.2x its ``peak`` (``fxpar.testing.live_bytes`` watches every storage the step makes). The loss runs
+    eagerly beside the rank program and is not counted (README: about two copies of its microbatch's logits)."""
+    from fxpar.testing.live_bytes import step_peak
+
+    model_fn = partial(llama, n_layers=2, vocab_size=256)
+    logits = TOKENS.numel() // plan.microbatches * 256 * 4
+    for rank, (measured, predicted) in enumerate(default_pool().run(step_peak, 2, model_fn, axes, plan, TOKENS,
+                                                                    next_token_loss, timeout=300)):
+        loss_room = 2 * logits + 1024 if rank == 1 or "dp" in axes else 0
+        assert measured <= predicted + loss_room, (rank, measured, predicted)
