@@ -3,12 +3,15 @@
 ``CollectiveCounter`` is a ``TorchDispatchMode``: every communication op that reaches the
 dispatcher while it is active (the collectives inside the rank's graphs, functional or, on gloo, classic, the
 point-to-point ``send``/``recv`` of the pipeline, the ``all_reduce`` of tied gradients and of the
-loss) is recorded in issue order as ``(kind, dtype)``. ``ledger_calls`` turns ledger rows into the
-same form; ``ledger_mismatch`` compares the two and says where they first differ.
+loss) is recorded in issue order as ``(kind, dtype, elements)``, the elements counted as the ledger counts them
+(the whole tensor a gather makes or a scatter reads). ``ledger_calls`` turns ledger rows into the same form;
+``ledger_mismatch`` compares the two and says where they first differ. An all-to-all's elements depend on the
+routing (the ledger lists uniform routing's), so they are not compared.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,9 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxpar.backends.comm import COLLECTIVES
 from fxpar.lower import LedgerRow
 
-Call = tuple[str, torch.dtype]
+Call = tuple[str, torch.dtype, int | None]
 
 _c10d = torch.ops.c10d
+_F = torch.ops._c10d_functional
 RUNTIME_KINDS = {
     **{op: kind for op, kind in COLLECTIVES.items() if kind != "wait"},  # the graphs' functional collectives
     _c10d.send.default: "send", _c10d.recv_.default: "recv",  # pipeline transfers
@@ -34,11 +38,16 @@ RUNTIME_KINDS = {
 LEDGER_KINDS = {"all_reduce": "all_reduce", "all_reduce_max": "all_reduce", "all_gather": "all_gather",
                 "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all", "send": "send", "recv": "recv"}
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
-LOSS_REPORT: Call = ("all_reduce", torch.float64)  # pm.step's mean loss over the world: not a ledger row
+LOSS_REPORT: Call = ("all_reduce", torch.float64, 1)  # pm.step's mean loss over the world: not a ledger row
+# ops whose first tensor argument is a shard of what the ledger counts (times the group size), and ops whose
+# whole tensor is their second argument (the classic API's output comes first)
+_TIMES_GROUP = {_F.all_gather_into_tensor.default, _F.all_gather_into_tensor_out.default}
+_SECOND = {_c10d._reduce_scatter_base_.default}
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Records ``(kind, dtype)`` of every communication op issued while active (``with CollectiveCounter() as c``)."""
+    """Records ``(kind, dtype, elements)`` of every communication op issued while active
+    (``with CollectiveCounter() as c``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,13 +57,17 @@ class CollectiveCounter(TorchDispatchMode):
         kind = RUNTIME_KINDS.get(func)
         if kind is not None:
             first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]  # c10d ops take tensor lists
-            self.calls.append((kind, first.dtype))
+            whole = args[1] if func in _SECOND else first
+            elements = whole.numel() * (args[1] if func in _TIMES_GROUP else 1)
+            self.calls.append((kind, first.dtype, None if kind == "all_to_all" else elements))
         return func(*args, **(kwargs or {}))
 
 
 def ledger_calls(rows: list[LedgerRow]) -> list[Call]:
-    """The ``(kind, dtype)`` each ledger row issues at run time (float8 moves as uint8: gloo has no float8)."""
-    return [(LEDGER_KINDS[r.op], torch.uint8 if r.dtype in FLOAT8 else r.dtype) for r in rows]
+    """The ``(kind, dtype, elements)`` each ledger row issues at run time (float8 moves as uint8: gloo has no
+    float8)."""
+    return [(LEDGER_KINDS[r.op], torch.uint8 if r.dtype in FLOAT8 else r.dtype,
+             None if r.op == "all_to_all" else math.prod(r.shape)) for r in rows]
 
 
 def ledger_mismatch(rows: list[LedgerRow], issued: list[Call], extra: list[Call] = ()) -> str | None:
