@@ -84,6 +84,18 @@ class _RankStep(torch.autograd.Function):
         return (None, *out)
 
 
+def refuse_inputs_needing_grad(flat: list[Any]) -> None:
+    """An input that requires grad (a soft prompt, an adapter's output before the model) would get no gradient:
+    the rank programs differentiate parameters only. Refuse it rather than train it silently not at all."""
+    if not torch.is_grad_enabled():
+        return
+    for i, x in enumerate(pytree.tree_leaves(flat)):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise ValueError(f"model input {i} requires grad, but fxpar computes gradients of the model's parameters "
+                             "only: it would get none. Make the trainable tensor a parameter of the model (a soft "
+                             "prompt as an nn.Parameter of a wrapper module), or pass x.detach()")
+
+
 def structured_loss(loss_fn: Callable[..., torch.Tensor], out_spec: Any) -> LossFn:
     """``loss_fn(outputs, targets)`` (or ``loss_fn(outputs)`` without targets) on the output leaves the last stage
     returns, rebuilt into the model's output structure."""
@@ -244,7 +256,8 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
             raise RuntimeError(f"this program has {len(c.stages)} pipeline stages and {c.microbatches} microbatches: "
                                "run a training step with pm.step(inputs..., targets) instead of pm(inputs)")
         runner = self._runners[0]
-        flat, _ = flat_user_inputs(c, inputs)
+        flat, _ = flat_user_inputs(c, inputs, targets=False)
+        refuse_inputs_needing_grad(flat)
         self._inputs.check(flat, "pm(...)")
         local = [self.local_param(fqn, differentiable=True) for fqn in runner.param_fqns]
         tensors = [x for x in pytree.tree_leaves(flat) if isinstance(x, torch.Tensor)]
@@ -263,6 +276,7 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
         """
         c = self._compiled
         flat, targets = flat_user_inputs(c, args)
+        refuse_inputs_needing_grad(flat)
         executor = self.step_executor()
         self._inputs.check(flat, "pm.step")
         mb_inputs = split_microbatches(flat, c.microbatches)
@@ -270,6 +284,7 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
         if executor.unreached is None and torch.is_grad_enabled():
             dead = loss_dead_outputs(c, self._loss_fn, targets, microbatch_rows(c))
             executor.unreached = unreached_params(c, dead) if dead else frozenset()
+            executor.dead_outputs = frozenset(dead) if executor.unreached else frozenset()
         try:
             return executor.run(mb_inputs, mb_targets, trace, forward_only=not torch.is_grad_enabled())
         finally:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.testing import assert_equivalent
+from fxpar.testing import assert_equivalent, default_pool
 from fxpar.testing.loss_models import (
     contrastive_encoder,
     contrastive_loss,
@@ -143,3 +143,11 @@ def test_parameters_the_loss_does_not_reach_keep_no_gradient(axes: dict[str, int
     targets = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
     assert_equivalent(value_head_lm, axes, plan, (tokens,), steps=3, loss_fn=logits_only_loss,
                       targets=targets if with_targets else None)
+
+
+def test_a_loss_that_starts_reading_an_output_it_left_out_is_refused() -> None:
+    # which parameters the loss reaches is decided at the first step: a later read would lose their gradients
+    from fxpar.testing.loss_models import switch_the_outputs_the_loss_reads
+
+    for message in default_pool().run(switch_the_outputs_the_loss_reads, 2, timeout=120):
+        assert message.startswith("loss_fn made a gradient for model output(s) [1], which it did not read"), message

@@ -183,3 +183,35 @@ def logits_only_loss(out: dict[str, torch.Tensor], targets: torch.Tensor | None 
     if targets is None:
         return logits.square().mean()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class SwitchingLoss:
+    """``logits_only_loss``, plus the value head's mean once ``with_value`` is set (a loss that changes the outputs
+    it reads between steps)."""
+
+    with_value = False
+
+    def __call__(self, out: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        loss = logits_only_loss(out, targets)
+        return loss + out["value"].mean() if self.with_value else loss
+
+
+def switch_the_outputs_the_loss_reads() -> str:
+    """Rank body: ``ValueHeadLM`` on dp=2 trained one step with the logits-only loss, then one reading the value
+    head too; the error the second step raises (``"ran"`` if none)."""
+    import torch.distributed as dist
+
+    import fxpar
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    loss = SwitchingLoss()
+    pm = fxpar.parallelize(value_head_lm(), fxpar.Mesh({"dp": 2}), (tokens,), loss_fn=loss, example_targets=tokens)
+    local = tokens.chunk(2)[dist.get_rank()]
+    pm.step(local, local)
+    loss.with_value = True
+    try:
+        pm.step(local, local)
+    except RuntimeError as e:
+        return str(e)
+    return "ran"
