@@ -14,7 +14,7 @@ from fxpar.cluster import Cluster
 from fxpar.compiled import Compiled, compile_model
 from fxpar.gc_pause import without_gc_pauses
 from fxpar.mesh import Mesh
-from fxpar.plan import Plan
+from fxpar.plan import Plan, check_axes
 from fxpar.runtime import ParallelModule
 from fxpar.verify import verify
 
@@ -41,6 +41,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     (``pm.proof`` says what it checked).
     """
     check_device(mesh)
+    check_axes(mesh.names)
     rank = None
     if not mesh.fake:
         mesh.device_mesh()  # validates the world size before any work
@@ -64,6 +65,7 @@ def compile_program(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[An
     Ensures: ``compiled.timings`` holds seconds per stage of compilation (capture and each pass).
     """
     check_device(mesh)
+    check_axes(mesh.names)
     with one_call(model):
         plan = resolve_plan_arg(plan, model, mesh, example_inputs, None, loss_fn, none_means_auto=False)
         return compile_model(model, mesh, example_inputs, plan, loss_fn)

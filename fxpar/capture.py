@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -179,7 +180,7 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
                 joint = aot_export_joint_with_descriptors(stack, stripped.module if stripped else module, args,
                                                           decompositions=CAPTURE_DECOMPOSITIONS)
         except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
-            raise CaptureError(_explain_trace_failure(model, e)) from e
+            raise CaptureError(_explain_trace_failure(model, e, module.graph)) from e
         gm = joint.graph_module
         if stripped is not None:
             restore_block_state(gm, stripped, exported.fake_mode)
@@ -278,19 +279,37 @@ def _meta_failures_unlogged() -> Iterator[None]:
         logger.removeFilter(dropped)
 
 
-def _explain_trace_failure(model: torch.nn.Module, e: BaseException) -> str:
+def _explain_trace_failure(model: torch.nn.Module, e: BaseException, exported: fx.Graph | None = None) -> str:
+    """The error's first line, the user's line it failed at and, for control flow on tensor values, a hint.
+    ``exported``: the exported forward, when the failure came after it (tracing the joint): the line is read off
+    the node of the op that failed (``.item()``, ``nonzero``), whose frames are no longer on the stack."""
     frame = _user_frame(e)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else "(no user frame found)"
+    where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else _line_of_failed_op(exported, str(e))
     module = _failing_module(model, e)
     inside = f"\n  in module {module}" if module else ""
     hint = ""
-    if "data-dependent" in str(e).lower() or "data dependent" in str(e).lower():
+    if any(w in str(e).lower() or w in type(e).__name__.lower() for w in ("data-dependent", "data dependent",
+                                                                          "datadependent", "dynamicoutputshape")):
         hint = (
             "\nhint: Python control flow that depends on tensor values cannot be compiled; "
             "use torch.where / torch.cond, or make the branch depend on shapes only"
         )
     return f"cannot trace {type(model).__name__}: {type(e).__name__}: {first}{inside}\n  at {where}{hint}"
+
+
+def _line_of_failed_op(graph: fx.Graph | None, message: str) -> str:
+    """``file:line: code`` of the user's frame that made the first node of ``graph`` whose op the error names."""
+    ops = set(re.findall(r"aten\.(\w+)", message))
+    if "_local_scalar_dense" in ops:
+        ops.add("item")  # .item() in the exported forward becomes _local_scalar_dense when traced
+    for n in graph.nodes if graph is not None and ops else ():
+        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', n.meta.get("stack_trace") or "")
+        user = [f for f in frames if _is_user_file(f[0])]
+        if n.op == "call_function" and name in ops and user:
+            return "{}:{}: {}".format(*user[-1])
+    return "(no user frame found)"
 
 
 def _failing_module(model: torch.nn.Module, e: BaseException) -> str | None:

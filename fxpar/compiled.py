@@ -359,11 +359,14 @@ def _boundary_arg(gm: torch.fx.GraphModule, name: str, exported: Any) -> torch.T
     return t.requires_grad_(val.is_floating_point())
 
 
-def flat_user_inputs(compiled: Compiled, args: tuple[Any, ...]) -> tuple[list[Any], Any]:
-    """Split ``pm.step``/``pm(...)`` arguments into (flat inputs, targets) per ``compiled.input_kind``."""
+def flat_user_inputs(compiled: Compiled, args: tuple[Any, ...], targets: bool = True) -> tuple[list[Any], Any]:
+    """Split ``pm.step``/``pm(...)`` arguments into (flat inputs, targets) per ``compiled.input_kind``; ``targets``:
+    whether one argument after the inputs may be the targets (``pm.step``), else none may follow (``pm(...)``)."""
+    call = "pm.step(inputs..., targets)" if targets else "pm(inputs...)"
     if compiled.input_kind == "dict":
         if not args or not isinstance(args[0], dict):
             raise TypeError("this model was compiled with keyword inputs: call pm(**batch) or pm.step(batch, targets)")
+        _refuse_extra(args, 1 + targets, call)
         batch = args[0]
         expected = set(compiled.input_keys) | set(compiled.constants)
         if set(batch) != expected:
@@ -373,9 +376,18 @@ def flat_user_inputs(compiled: Compiled, args: tuple[Any, ...]) -> tuple[list[An
     n = compiled.num_user_inputs
     if len(args) < n:
         raise TypeError(f"expected {n} model inputs (as in example_inputs), got {len(args)}")
+    _refuse_extra(args, n + targets, call)
     _check_constants(compiled, dict(enumerate(args[:n])))
     tensors = [a for i, a in enumerate(args[:n]) if i not in compiled.constants]
     return tensors, (args[n] if len(args) > n else None)
+
+
+def _refuse_extra(args: tuple[Any, ...], most: int, call: str) -> None:
+    """An argument the program would not read is a mistake (a stray target, a wrong call): refuse it by name."""
+    if len(args) > most:
+        raise TypeError(f"{call} got {len(args)} arguments where the program takes at most {most} (the model was "
+                        f"compiled with {most - 1 if 'step' in call else most} input(s) as in example_inputs"
+                        f"{', then the targets' if 'step' in call else ''}); the extra ones would be ignored")
 
 
 def _check_constants(compiled: Compiled, given: dict[Any, Any]) -> None:

@@ -22,6 +22,15 @@ if TYPE_CHECKING:
 
 STYLES = ("colwise", "rowwise", "replicate")
 SUPPORTED_AXES = ("pp", "dp", "ep", "cp", "tp")
+
+
+def check_axes(names: tuple[str, ...]) -> None:
+    """Refuse a mesh axis fxpar does not know (before a plan search reads the mesh by the names it knows)."""
+    for axis in names:
+        if axis not in SUPPORTED_AXES:
+            hint = close_matches(axis.lower(), list(SUPPORTED_AXES)) or [a for a in SUPPORTED_AXES if a in axis.lower()]
+            raise PlanError(f"mesh axis {axis!r} is not supported; use {SUPPORTED_AXES}"
+                            + (f" (did you mean {hint[0]!r}?)" if hint else ""))
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
@@ -98,9 +107,28 @@ def as_plan(plan: Plan | dict[str, str] | None, axes: dict[str, int] | None = No
                                   or dtype.itemsize < 2):
             raise PlanError(f"{name} must be None or a floating dtype of 16 bits or more (torch.bfloat16, "
                             f"torch.float16, torch.float32), got {dtype!r}")
-    if not isinstance(plan.compile, bool):
-        raise PlanError(f"compile must be True or False, got {plan.compile!r}")
+    _check_types(plan)
     return plan
+
+
+def _check_types(plan: Plan) -> None:
+    """Fields of the wrong type, refused by name (they failed deep in compilation, or were taken as something else:
+    ``stages="model.layers.2"`` was read letter by letter, ``zero=True`` as ZeRO-1)."""
+    for name in ("sequence_parallel", "overlap", "compile"):
+        if not isinstance(getattr(plan, name), bool):
+            raise PlanError(f"{name} must be True or False, got {getattr(plan, name)!r}")
+    if type(plan.zero) is not int:
+        raise PlanError(f"zero must be 0, 1, 2 or 3 (an int), got {plan.zero!r}")
+    stages = plan.stages
+    if isinstance(stages, str):
+        raise PlanError(f"stages must be an int or a list of module paths, got the string {stages!r}; "
+                        f"did you mean stages=[{stages!r}]?")
+    if stages is not None and not (type(stages) is int and stages >= 1) and not (
+            isinstance(stages, (list, tuple)) and all(isinstance(p, str) for p in stages)):
+        raise PlanError(f"stages must be None, a positive int or a list of module paths (str), got {stages!r}")
+    if plan.tp is not None and not isinstance(plan.tp, dict) and plan.tp != "hf":
+        hint = " (did you mean 'hf'?)" if isinstance(plan.tp, str) and plan.tp.lower() == "hf" else ""
+        raise PlanError(f"Plan(tp=...) must be a dict of module-path globs to styles or 'hf', got {plan.tp!r}{hint}")
 
 
 def _check_axes(plan: Plan, axes: dict[str, int]) -> None:
@@ -148,7 +176,9 @@ def resolve_plan(modules: ModuleTable, plan: dict[str, str] | None) -> dict[str,
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
         if style not in STYLES:
-            raise PlanError(f"plan[{pattern!r}] = {style!r}: style must be one of {STYLES}")
+            field_hint = (f"; a plain dict is Plan(tp=dict): did you mean fxpar.Plan({pattern}={style!r})?"
+                          if pattern in Plan.__dataclass_fields__ else "")
+            raise PlanError(f"plan[{pattern!r}] = {style!r}: style must be one of {STYLES}{field_hint}")
         matched = [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
         if not matched:
             hint = close_matches(pattern, paths) or close_matches(pattern.replace("*", "0"), paths)

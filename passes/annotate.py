@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from fxpar.errors import PlanError, close_matches
+from fxpar.errors import PlanError
 from fxpar.ir import Program, batch_placements, sp_boundary
+from fxpar.modules import ModuleTable
 from fxpar.pass_context import Context
-from fxpar.plan import SUPPORTED_AXES, check_shardable, param_tp_placement, resolve_plan
+from fxpar.plan import check_axes, check_shardable, param_tp_placement, resolve_plan
 from fxpar.split import CONTEXT_AXIS, sequence_length
 
 
@@ -28,15 +29,12 @@ def annotate(prog: Program, ctx: Context) -> Program:
     parameters; the first dp ranks one sample more for the batch).
     """
     mesh = prog.mesh
-    for axis in mesh.names:
-        if axis == "ep" and not ctx.modules.of_kind("experts"):
-            raise PlanError(_no_expert_parallel(ctx.modules.model_type))
-        if axis not in SUPPORTED_AXES:
-            hint = close_matches(axis, list(SUPPORTED_AXES))
-            raise PlanError(f"mesh axis {axis!r} is not supported; use {SUPPORTED_AXES}"
-                            + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    check_axes(mesh.names)
+    if "ep" in mesh.names and not ctx.modules.of_kind("experts"):
+        raise PlanError(_no_expert_parallel(ctx.modules.model_type))
     _check_sequence(prog)
     styles = resolve_plan(ctx.modules, ctx.plan.tp)
+    _refuse_styles_on_containers(ctx.modules, styles)
     if styles and "tp" not in mesh.axes:
         raise PlanError("the plan shards modules over 'tp', but the mesh has no 'tp' axis")
     modules = ctx.modules
@@ -99,3 +97,20 @@ def _check_sequence(prog: Program) -> None:
 def _no_expert_parallel(model_type: str) -> str:
     return (f"mesh axis 'ep' shards the experts of MoE layers, but {model_type} has no experts module "
             "(Hugging Face MoE experts, e.g. Mixtral's); use 'dp' to shard the batch")
+
+
+SHARDABLE_KINDS = ("linear", "conv1d", "embedding", "experts")
+
+
+def _refuse_styles_on_containers(modules: ModuleTable, styles: dict[str, str]) -> None:
+    """A style on a module that holds no shardable weight itself (a block, an attention or MLP module) would shard
+    nothing, silently: name the Linears under it instead."""
+    for path, style in styles.items():
+        info = modules[path]
+        if style == "replicate" or info.kind in SHARDABLE_KINDS:
+            continue
+        inner = [p for p, m in modules.modules.items() if p.startswith(path + ".") and m.kind in SHARDABLE_KINDS]
+        hint = (f", and {path!r} holds none itself; style its modules instead: {', '.join(inner[:6])}"
+                f"{', ...' if len(inner) > 6 else ''}") if inner else ""
+        raise PlanError(f"{path} ({info.type_name}): style {style!r} is supported on nn.Linear, HF Conv1D and "
+                        f"nn.Embedding (colwise) modules{hint}")

@@ -72,6 +72,9 @@ def choose_modules(table: ModuleTable, spec: str | dict[str, str]) -> dict[str, 
     linears = table.of_kind("linear")
     if isinstance(spec, str):
         _check_recipe(spec, "fp8")
+        if not linears:
+            raise PlanError(f"fp8={spec!r}: the model has no nn.Linear, and fp8 runs only nn.Linear matmuls (as "
+                            "torch._scaled_mm); leave fp8=None")
         skipped = [f"{p} ({m.in_features} x {m.out_features})" for p, m in linears.items() if not _fits(m)]
         if skipped:
             warnings.warn(f"fxpar: fp8 skips Linears whose dims are not multiples of 16: {', '.join(skipped)}",

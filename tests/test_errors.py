@@ -20,7 +20,7 @@ import torch.nn as nn
 import fxpar
 from fxpar.models.llama import llama, llama_plan
 from fxpar.models.mlp import mlp, mlp_plan
-from fxpar.testing import assert_equivalent, error_models
+from fxpar.testing import assert_equivalent, default_pool, error_models
 from fxpar.testing.launch import RankFailure, run_ranks
 
 
@@ -121,6 +121,15 @@ def test_data_dependent_control_flow_names_the_line() -> None:
         fxpar.parallelize(error_models.data_dependent_branch(), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(4, 8),))
     msg = str(info.value)
     assert f"{path}:{line}" in msg or f"error_models.py:{line}" in msg, msg
+
+
+@pytest.mark.parametrize("op", ["item", "nonzero"])
+def test_a_value_read_from_a_tensor_names_the_line(op: str) -> None:
+    # the failure comes while the joint is traced, after export: no user frame was on the stack
+    lines, start = inspect.getsourcelines(error_models.ValueRead.forward)
+    line = start + next(i for i, text in enumerate(lines) if f"# {op.upper()}" in text)
+    with pytest.raises(fxpar.CaptureError, match=rf"error_models.py:{line}: .*# {op.upper()}\n.*hint:"):
+        fxpar.parallelize(error_models.ValueRead(op), fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(4, 8),))
 
 
 def test_a_shape_mismatch_inside_a_library_module_names_the_module_and_is_reported_once(
@@ -224,6 +233,51 @@ def test_float_token_ids_are_refused_by_name() -> None:
         run_ranks(error_models.call_with_the_global_batch, 2, "float", timeout=120, collective_timeout=20)
     msg = str(info.value)
     assert "pm(...): input 0 has dtype torch.float32, but rank 0's program was compiled for torch.int64" in msg, msg
+
+
+@pytest.mark.parametrize("plan", [None, "auto", fxpar.Plan()], ids=["none", "auto", "plan"])
+def test_an_unknown_mesh_axis_is_named_before_any_plan_search(plan: object) -> None:
+    # plan="auto" searched the axes it knows and said "fixed pp x dp x cp x ep x tp = 1 but the cluster has 2 GPUs"
+    x = torch.randn(4, 16)
+    for axes, hint in (({"data": 2}, ""), ({"DP": 2}, " (did you mean 'dp'?)")):
+        with pytest.raises(fxpar.PlanError, match=re.escape(f"mesh axis {next(iter(axes))!r} is not supported; use "
+                                                             f"('pp', 'dp', 'ep', 'cp', 'tp'){hint}")):
+            fxpar.parallelize(error_models.sequential(), fxpar.Mesh(axes, fake=True), (x,), plan=plan,
+                              cluster=fxpar.Cluster.preset("h100-sxm", gpus=2))
+
+
+def test_a_style_on_a_module_without_a_weight_of_its_own_names_the_linears_under_it() -> None:
+    # {"layers.*.attn": "colwise"} matched the attention modules: every weight stayed replicated, silently
+    tokens = torch.randint(0, 256, (4, 16))
+    with pytest.raises(fxpar.PlanError, match=r"layers.0.attn \(Attention\): style 'colwise' is supported on "
+                                              r"nn.Linear.* holds none itself; style its modules instead: "
+                                              r"layers.0.attn.q, layers.0.attn.k"):
+        fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"tp": 2}, fake=True), (tokens,),
+                          plan={"layers.*.attn": "colwise"})
+
+
+@pytest.mark.parametrize(("plan", "message"), [
+    (fxpar.Plan(zero=True), "zero must be 0, 1, 2 or 3 (an int), got True"),  # it ran as ZeRO-1
+    (fxpar.Plan(stages="4"), "did you mean stages=['4']?"),  # read letter by letter
+    (fxpar.Plan(stages=2.0), "stages must be None, a positive int or a list of module paths (str), got 2.0"),
+    (fxpar.Plan(overlap=None), "overlap must be True or False, got None"),  # accepted
+    (fxpar.Plan(tp="HF"), "got 'HF' (did you mean 'hf'?)"),
+    ({"zero": 3}, "did you mean fxpar.Plan(zero=3)?"),
+])
+def test_plan_fields_of_the_wrong_type_are_refused_by_name(plan: object, message: str) -> None:
+    with pytest.raises(fxpar.PlanError, match=re.escape(message)):
+        fxpar.parallelize(error_models.sequential(), fxpar.Mesh({"pp": 2, "dp": 2}, fake=True), (torch.randn(4, 16),),
+                          plan=plan, loss_fn=error_models.mean_square)
+
+
+def test_stray_arguments_and_inputs_needing_grad_are_refused_by_name() -> None:
+    # an argument after the inputs (pm) or the targets (pm.step) was dropped, and an input that requires grad got
+    # no gradient: both silently
+    out = default_pool().run(error_models.misused_calls, 2, timeout=120)[0]
+    assert out["extra_call"].startswith("TypeError: pm(inputs...) got 2 arguments where the program takes at most 1")
+    assert out["extra_step"].startswith("TypeError: pm.step(inputs..., targets) got 3 arguments")
+    assert out["grad_input"].startswith("ValueError: model input 0 requires grad, but fxpar computes gradients of the "
+                                        "model's parameters only")
 
 
 def test_rank_dies_mid_step() -> None:

@@ -91,6 +91,10 @@ def test_fp8_errors_name_the_module() -> None:
         fxpar.parallelize(model, mesh, (tokens,), plan=fxpar.Plan(fp8="blockwise"))
     with pytest.raises(fxpar.PlanError, match=r"fp8\['11'\] matches no module of the model; did you mean: 1\?"):
         fxpar.parallelize(model, mesh, (tokens,), plan=fxpar.Plan(fp8={"11": "tensorwise"}))
+    convs = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8))  # it was a silent no-op
+    with pytest.raises(fxpar.PlanError, match=r"fp8='tensorwise': the model has no nn.Linear"):
+        fxpar.parallelize(convs, fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(2, 3, 8, 8),),
+                          plan=fxpar.Plan(fp8="tensorwise"))
 
 
 def test_fp8_composes_with_zero3_tp_and_sequence_parallel() -> None:

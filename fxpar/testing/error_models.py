@@ -34,6 +34,20 @@ def data_dependent_branch(**kwargs: int) -> DataDependentBranch:
     return DataDependentBranch(**kwargs)
 
 
+class ValueRead(nn.Module):
+    """Reads a tensor's value as a Python number (``.item()``) or takes a data-dependent shape (``nonzero``)."""
+
+    def __init__(self, op: str = "item", dim: int = 8) -> None:
+        super().__init__()
+        self.op, self.lin = op, nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.op == "item":
+            return h / h.abs().max().item()  # ITEM
+        return h[torch.nonzero(h > 0, as_tuple=True)]  # NONZERO
+
+
 class BatchNormConv(nn.Module):
     """A conv net with BatchNorm in training mode: its forward writes the running statistics (buffers) in place."""
 
@@ -154,6 +168,28 @@ def call_with_the_global_batch(how: str) -> str:
     else:
         pm(tokens)
     return "ran"
+
+
+def misused_calls() -> dict[str, str]:
+    """Rank body: a Sequential compiled on dp=2, then called wrongly; the message each mistake gets (``"ran"`` where
+    none was raised): an extra argument after the inputs (``pm``) or after the targets (``pm.step``), and an input
+    that requires grad (it would get no gradient)."""
+    import fxpar
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    pm = fxpar.parallelize(sequential(), fxpar.Mesh({"dp": 2}), (x,), loss_fn=mean_square)
+    local = x.chunk(2)[dist.get_rank()]
+    calls = {"extra_call": lambda: pm(local, local), "extra_step": lambda: pm.step(local, None, local),
+             "grad_input": lambda: pm(local.clone().requires_grad_())}
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "ran"
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def die_mid_schedule(dying_rank: int) -> str:
