@@ -27,7 +27,8 @@
   the step's sends are awaited;
 * ``transient``: the largest set of temporaries alive at once inside one forward or backward graph,
   beyond its inputs (liveness over the graph's node order; a view is free; a backward's output cut from a
-  larger buffer keeps the rest of it alive until the graph returns);
+  larger buffer keeps the rest of it alive until the graph returns); with several microbatches, a backward's
+  own parameter gradients beside the running sums, and the dp reduction's bucket after the last backward;
 * ``buffers``: the module's copy of every buffer the rank's stages read (BatchNorm's running statistics, rotary
   tables; each once), whole, in its dtype (``fxpar.params.stage_buffer_values``);
 * ``peak`` = params + grads + optimizer + activations + transient + buffers.
