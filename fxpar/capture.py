@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -46,18 +44,11 @@ from fxpar.source import _clean_module_path, user_source
 from fxpar.split import CONTEXT_AXIS
 from fxpar.stitch import Blocks, Captures, name_as_whole, stitch, without_onednn
 from fxpar.token_rows import token_rows_unflattened
+from fxpar.trace_errors import explain_trace_failure
 
 _BLOCKS_FILE = os.path.abspath(_blocks_module.__file__)
 log = logging.getLogger("fxpar.capture")
 T = TypeVar("T")
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FXPAR_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# fxpar's own compiler code; bundled models and test helpers are user code for error reports
-_COMPILER_DIRS = tuple(os.path.join(_FXPAR_ROOT, d) + os.sep for d in ("passes", "backends", "schedules"))
-_COMPILER_FILES = tuple(os.path.join(_FXPAR_ROOT, "fxpar", f) for f in os.listdir(os.path.join(_FXPAR_ROOT, "fxpar"))
-                        if f.endswith(".py"))
-
 
 def capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...],
             param_dtype: torch.dtype | None = None) -> Program:
@@ -180,7 +171,7 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
                 joint = aot_export_joint_with_descriptors(stack, stripped.module if stripped else module, args,
                                                           decompositions=CAPTURE_DECOMPOSITIONS)
         except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
-            raise CaptureError(_explain_trace_failure(model, e, module.graph)) from e
+            raise CaptureError(explain_trace_failure(model, e, module.graph)) from e
         gm = joint.graph_module
         if stripped is not None:
             restore_block_state(gm, stripped, exported.fake_mode)
@@ -258,7 +249,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.Expor
     except NotShared:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a CaptureError
-        raise CaptureError(_explain_trace_failure(model, e)) from e
+        raise CaptureError(explain_trace_failure(model, e)) from e
 
 
 class _MetaFailureFilter(logging.Filter):
@@ -277,72 +268,6 @@ def _meta_failures_unlogged() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(dropped)
-
-
-def _explain_trace_failure(model: torch.nn.Module, e: BaseException, exported: fx.Graph | None = None) -> str:
-    """The error's first line, the user's line it failed at and, for control flow on tensor values, a hint.
-    ``exported``: the exported forward, when the failure came after it (tracing the joint): the line is read off
-    the node of the op that failed (``.item()``, ``nonzero``), whose frames are no longer on the stack."""
-    frame = _user_frame(e)
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else _line_of_failed_op(exported, str(e))
-    module = _failing_module(model, e)
-    inside = f"\n  in module {module}" if module else ""
-    hint = ""
-    if any(w in str(e).lower() or w in type(e).__name__.lower() for w in ("data-dependent", "data dependent",
-                                                                          "datadependent", "dynamicoutputshape")):
-        hint = (
-            "\nhint: Python control flow that depends on tensor values cannot be compiled; "
-            "use torch.where / torch.cond, or make the branch depend on shapes only"
-        )
-    return f"cannot trace {type(model).__name__}: {type(e).__name__}: {first}{inside}\n  at {where}{hint}"
-
-
-def _line_of_failed_op(graph: fx.Graph | None, message: str) -> str:
-    """``file:line: code`` of the user's frame that made the first node of ``graph`` whose op the error names."""
-    ops = set(re.findall(r"aten\.(\w+)", message))
-    if "_local_scalar_dense" in ops:
-        ops.add("item")  # .item() in the exported forward becomes _local_scalar_dense when traced
-    for n in graph.nodes if graph is not None and ops else ():
-        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-        frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', n.meta.get("stack_trace") or "")
-        user = [f for f in frames if _is_user_file(f[0])]
-        if n.op == "call_function" and name in ops and user:
-            return "{}:{}: {}".format(*user[-1])
-    return "(no user frame found)"
-
-
-def _failing_module(model: torch.nn.Module, e: BaseException) -> str | None:
-    """The innermost submodule of ``model`` whose call the failure happened in, as ``path (Class)``: where a
-    library module (``nn.Linear`` inside an ``nn.Sequential``) fails, no frame of the user's file is on the stack,
-    and the module path is what points at their code."""
-    paths = {id(m): name for name, m in model.named_modules()}
-    innermost = None
-    tb = e.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl"):
-            module = frame.f_locals.get("self")
-            if isinstance(module, torch.nn.Module) and id(module) in paths and module is not model:
-                innermost = module
-        tb = tb.tb_next
-    if innermost is None:
-        return None
-    return f"{paths[id(innermost)]} ({type(innermost).__name__})"
-
-
-def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
-    """The innermost traceback frame outside torch itself: the user's line; failing that, the innermost one in
-    an installed library other than torch (a Hugging Face model's own code lives in site-packages)."""
-    best = library = None
-    while e is not None:
-        for fr in traceback.extract_tb(e.__traceback__):
-            if _is_user_file(fr.filename):
-                best = fr
-            elif "site-packages" in fr.filename and not os.path.abspath(fr.filename).startswith(_TORCH_DIR):
-                library = fr
-        e = e.__cause__ or e.__context__
-    return best or library
 
 
 def _split_addmm(gm: fx.GraphModule) -> None:
@@ -372,12 +297,6 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out[name] = first.setdefault(id(p), name)
     return out
-
-
-def _is_user_file(path: str) -> bool:
-    path = os.path.abspath(path) if "<" not in path else path
-    return not (path.startswith(_TORCH_DIR) or "<" in path or path.startswith(_COMPILER_DIRS)
-                or path in _COMPILER_FILES or "site-packages" in path)
 
 
 def _refuse_mutations(gm: fx.GraphModule, model: torch.nn.Module) -> None:

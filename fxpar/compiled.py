@@ -363,6 +363,12 @@ def flat_user_inputs(compiled: Compiled, args: tuple[Any, ...], targets: bool = 
     """Split ``pm.step``/``pm(...)`` arguments into (flat inputs, targets) per ``compiled.input_kind``; ``targets``:
     whether one argument after the inputs may be the targets (``pm.step``), else none may follow (``pm(...)``)."""
     call = "pm.step(inputs..., targets)" if targets else "pm(inputs...)"
+    inputs, rest = _user_inputs(compiled, args, targets, call)
+    refuse_inputs_needing_grad(inputs)
+    return inputs, rest
+
+
+def _user_inputs(compiled: Compiled, args: tuple[Any, ...], targets: bool, call: str) -> tuple[list[Any], Any]:
     if compiled.input_kind == "dict":
         if not args or not isinstance(args[0], dict):
             raise TypeError("this model was compiled with keyword inputs: call pm(**batch) or pm.step(batch, targets)")
@@ -380,6 +386,18 @@ def flat_user_inputs(compiled: Compiled, args: tuple[Any, ...], targets: bool = 
     _check_constants(compiled, dict(enumerate(args[:n])))
     tensors = [a for i, a in enumerate(args[:n]) if i not in compiled.constants]
     return tensors, (args[n] if len(args) > n else None)
+
+
+def refuse_inputs_needing_grad(flat: list[Any]) -> None:
+    """An input that requires grad (a soft prompt, an adapter's output before the model) would get no gradient:
+    the rank programs differentiate parameters only. Refuse it rather than train it silently not at all."""
+    if not torch.is_grad_enabled():
+        return
+    for i, x in enumerate(pytree.tree_leaves(flat)):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise ValueError(f"model input {i} requires grad, but fxpar computes gradients of the model's parameters "
+                             "only: it would get none. Make the trainable tensor a parameter of the model (a soft "
+                             "prompt as an nn.Parameter of a wrapper module), or pass x.detach()")
 
 
 def _refuse_extra(args: tuple[Any, ...], most: int, call: str) -> None:

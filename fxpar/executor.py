@@ -99,7 +99,6 @@ class StepExecutor(StepLosses):
     """
 
     unreached: frozenset[str] | None = None  # set by the module before its first training step
-    dead_outputs: frozenset[int] = frozenset()  # the outputs whose gradient the loss did not make then
 
     def __init__(self, state: RankState, runners: dict[int, StageRunner], events: list[StepEvent], spec: RankSpec,
                  loss_fn: LossFn, tie_groups: dict[str, Any]) -> None:
@@ -192,21 +191,11 @@ class StepExecutor(StepLosses):
             st.losses[mb] = self.loss_value(outs, targets)
         elif s == self.spec.n_stages - 1:
             st.losses[mb], st.output_grads[mb] = self.loss(outs, targets)
-            self._check_dead_outputs(st.output_grads[mb])
+            self.check_dead_outputs(st.output_grads[mb])
         elif s in self.spec.local_next:
             st.inbox[(s + 1, mb)] = outs  # the next stage is on this rank: hand over locally
         else:
             st.outputs[(s, mb)] = outs
-
-    def _check_dead_outputs(self, grads: list[torch.Tensor | None]) -> None:
-        """The parameters only the outputs the loss left out at the first step reach keep no gradient
-        (``unreached``): a loss that reads one of them now would lose its gradient, so it is refused."""
-        used = [i for i in self.dead_outputs if grads[i] is not None]
-        if used:
-            raise RuntimeError(f"loss_fn made a gradient for model output(s) {used}, which it did not read at the "
-                               "first pm.step: fxpar decided then which parameters the loss reaches (the others "
-                               "keep .grad None). A loss must read the same outputs at every step; build the "
-                               "module again (fxpar.parallelize) for a loss that reads others")
 
     def tangents_for(self, s: int, mb: int, st: StepState) -> list[torch.Tensor]:
         r = self.runners[s]

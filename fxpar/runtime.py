@@ -7,7 +7,6 @@ No DTensor dispatch happens in the step.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +37,7 @@ from fxpar.rank_spec import rank_spec
 from fxpar.rank_step import StepEvent, rank_step, step_ledger
 from fxpar.schedules import Schedule
 from fxpar.stages import stage_costs
-from fxpar.unreached import loss_dead_outputs, microbatch_rows, unreached_params
+from fxpar.unreached import decide_unreached, watch_unreached
 
 
 class _RankStep(torch.autograd.Function):
@@ -82,18 +81,6 @@ class _RankStep(torch.autograd.Function):
             if fqn not in unreached:  # a parameter the loss does not reach keeps its .grad (``fxpar.unreached``)
                 out[order[fqn]] = g.clone() if id(g) in cut else g
         return (None, *out)
-
-
-def refuse_inputs_needing_grad(flat: list[Any]) -> None:
-    """An input that requires grad (a soft prompt, an adapter's output before the model) would get no gradient:
-    the rank programs differentiate parameters only. Refuse it rather than train it silently not at all."""
-    if not torch.is_grad_enabled():
-        return
-    for i, x in enumerate(pytree.tree_leaves(flat)):
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            raise ValueError(f"model input {i} requires grad, but fxpar computes gradients of the model's parameters "
-                             "only: it would get none. Make the trainable tensor a parameter of the model (a soft "
-                             "prompt as an nn.Parameter of a wrapper module), or pass x.detach()")
 
 
 def structured_loss(loss_fn: Callable[..., torch.Tensor], out_spec: Any) -> LossFn:
@@ -240,8 +227,7 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
         """This rank's parameters as DTensors (registered under their model paths), its buffers and bound graphs."""
         self._stage_buffers, self._runners, self._tie_groups, self._pp_group = materialize(
             self, self._compiled, model, self._rank)
-        if len(self._compiled.stages) == 1 and self._runners:
-            self._runners[0].unreached = functools.lru_cache(functools.partial(unreached_params, self._compiled))
+        watch_unreached(self._compiled, self._runners)
 
     def _check_runnable(self) -> None:
         if not self._runners:
@@ -257,7 +243,6 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
                                "run a training step with pm.step(inputs..., targets) instead of pm(inputs)")
         runner = self._runners[0]
         flat, _ = flat_user_inputs(c, inputs, targets=False)
-        refuse_inputs_needing_grad(flat)
         self._inputs.check(flat, "pm(...)")
         local = [self.local_param(fqn, differentiable=True) for fqn in runner.param_fqns]
         tensors = [x for x in pytree.tree_leaves(flat) if isinstance(x, torch.Tensor)]
@@ -276,15 +261,11 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
         """
         c = self._compiled
         flat, targets = flat_user_inputs(c, args)
-        refuse_inputs_needing_grad(flat)
         executor = self.step_executor()
         self._inputs.check(flat, "pm.step")
         mb_inputs = split_microbatches(flat, c.microbatches)
         mb_targets = split_microbatches(targets, c.microbatches) if targets is not None else [None] * c.microbatches
-        if executor.unreached is None and torch.is_grad_enabled():
-            dead = loss_dead_outputs(c, self._loss_fn, targets, microbatch_rows(c))
-            executor.unreached = unreached_params(c, dead) if dead else frozenset()
-            executor.dead_outputs = frozenset(dead) if executor.unreached else frozenset()
+        decide_unreached(executor, c, self._loss_fn, targets)
         try:
             return executor.run(mb_inputs, mb_targets, trace, forward_only=not torch.is_grad_enabled())
         finally:

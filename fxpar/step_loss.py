@@ -38,6 +38,7 @@ class StepLosses:
     device: torch.device
     warned_uneven_mean: bool
     checked_split_mean: bool
+    dead_outputs: frozenset[int] = frozenset()  # outputs the loss made no gradient for at the first step
 
     def loss(self, outs: list[torch.Tensor], targets: Any) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         leaves = [o.detach().requires_grad_() if isinstance(o, torch.Tensor) and o.is_floating_point() else o
@@ -54,6 +55,16 @@ class StepLosses:
                 raise ValueError(_not_a_loss(loss))
             (loss / self.m).backward()
         return loss.detach(), [x.grad if isinstance(x, torch.Tensor) else None for x in leaves]
+
+    def check_dead_outputs(self, grads: list[torch.Tensor | None]) -> None:
+        """The parameters only the outputs the loss left out at the first step reach keep no gradient
+        (``fxpar.unreached``): a loss that reads one of them now would lose its gradient, so it is refused."""
+        used = [i for i in self.dead_outputs if grads[i] is not None]
+        if used:
+            raise RuntimeError(f"loss_fn made a gradient for model output(s) {used}, which it did not read at the "
+                               "first pm.step: fxpar decided then which parameters the loss reaches (the others "
+                               "keep .grad None). A loss must read the same outputs at every step; build the "
+                               "module again (fxpar.parallelize) for a loss that reads others")
 
     def _check_split_mean(self, leaves: list[Any], targets: Any, loss: torch.Tensor) -> None:
         """Once per module, where the step splits the batch: warn if ``loss_fn`` is not a mean over rows."""

@@ -14,6 +14,7 @@ reduces them (every rank issues the same collectives as the ledger says); only t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,25 @@ from fxpar.ir import Program
 
 if TYPE_CHECKING:
     from fxpar.compiled import Compiled
+    from fxpar.executor import StageRunner, StepExecutor
+
+
+def decide_unreached(executor: StepExecutor, compiled: Compiled, loss_fn: Callable[..., torch.Tensor],
+                     targets: Any) -> None:
+    """Before the first training step: which parameters ``loss_fn`` does not reach (``executor.unreached``), and
+    the outputs it leaves out, which it must keep leaving out (``executor.dead_outputs``). Decided once."""
+    if executor.unreached is not None or not torch.is_grad_enabled():
+        return
+    dead = loss_dead_outputs(compiled, loss_fn, targets, microbatch_rows(compiled))
+    executor.unreached = unreached_params(compiled, dead) if dead else frozenset()
+    executor.dead_outputs = frozenset(dead) if executor.unreached else frozenset()
+
+
+def watch_unreached(compiled: Compiled, runners: dict[int, StageRunner]) -> None:
+    """``pm(x)`` then ``loss.backward()`` (one stage): the runner learns, per set of outputs autograd gives no
+    gradient, the parameters to hand none (cached per set)."""
+    if len(compiled.stages) == 1 and runners:
+        runners[0].unreached = functools.lru_cache(functools.partial(unreached_params, compiled))
 
 
 def reached_from(prog: Program, dead_outputs: Iterable[int]) -> set[str]:

@@ -17,8 +17,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxpar.testing.compile_once import parallelize_once
-from fxpar.testing.probes import storage_bytes
+from fxpar.testing.probes import built_for_steps, storage_bytes
 
 
 class LiveBytes(TorchDispatchMode):
@@ -58,15 +57,7 @@ def step_peak(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens: torch
               loss_fn: Any) -> tuple[int, int]:
     """Rank body: (bytes alive at the peak of a steady-state ``pm.step`` plus the state kept across steps,
     ``pm.memory(rank).peak``)."""
-    import fxpar
-
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    mesh = fxpar.Mesh(mesh_axes)
-    pm = parallelize_once(model_fn, mesh, (tokens,), plan, loss_fn=loss_fn)
-    dp = mesh_axes.get("dp", 1)
-    local = tokens.chunk(dp)[mesh.coord(rank)[mesh.axis_index("dp")]] if dp > 1 else tokens
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm, local, opt = built_for_steps(model_fn, mesh_axes, plan, tokens, loss_fn)
     pm.step(local, local)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -74,4 +65,4 @@ def step_peak(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens: torch
     kept = [_local(p) for p in pm.parameters()] + list(pm.buffers()) + state
     with LiveBytes([*kept, local]) as live:
         pm.step(local, local)
-    return storage_bytes(kept) + live.peak, pm.memory(rank).peak
+    return storage_bytes(kept) + live.peak, pm.memory(dist.get_rank()).peak

@@ -33,20 +33,26 @@ def storage_bytes(tensors: list[torch.Tensor], exclude: set[int] = frozenset()) 
     return sum(seen.values())
 
 
+def built_for_steps(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor,
+                    loss_fn: Any) -> tuple[Any, torch.Tensor, torch.optim.Optimizer]:
+    """Rank body helper: (this rank's module compiled once on rank 0, its dp shard of ``tokens``, AdamW over it)."""
+    import fxpar
+
+    torch.manual_seed(0)
+    mesh = fxpar.Mesh(mesh_axes)
+    pm = parallelize_once(model_fn, mesh, (tokens,), plan, loss_fn=loss_fn)
+    dp = mesh_axes.get("dp", 1)
+    local = tokens.chunk(dp)[mesh.coord(dist.get_rank())[mesh.axis_index("dp")]] if dp > 1 else tokens
+    return pm, local, torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+
 def measured_memory(model_fn: Any, mesh_axes: dict[str, int], plan: Any, tokens: torch.Tensor,
                     loss_fn: Any) -> dict[str, Any]:
     """Rank body: one ``pm.step`` plus an AdamW step, then the local storage of params, grads and Adam state, of
     ZeRO-1/2's gathered working copies, and of the values one forward of this rank's first stage saves for backward;
     the peak the step held between graphs (``watching_what_is_held``); with ``pm.memory(rank)``."""
-    import fxpar
-
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    mesh = fxpar.Mesh(mesh_axes)
-    pm = parallelize_once(model_fn, mesh, (tokens,), plan, loss_fn=loss_fn)
-    dp = mesh_axes.get("dp", 1)
-    local = tokens.chunk(dp)[mesh.coord(rank)[mesh.axis_index("dp")]] if dp > 1 else tokens
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm, local, opt = built_for_steps(model_fn, mesh_axes, plan, tokens, loss_fn)
     with watching_what_is_held(pm, [local]) as held:
         pm.step(local, local)
     opt.step()
