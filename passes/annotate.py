@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
@@ -34,7 +36,7 @@ def annotate(prog: Program, ctx: Context) -> Program:
         raise PlanError(_no_expert_parallel(ctx.modules.model_type))
     _check_sequence(prog)
     styles = resolve_plan(ctx.modules, ctx.plan.tp)
-    _refuse_styles_on_containers(ctx.modules, styles)
+    _refuse_styles_on_containers(ctx.modules, ctx.plan.tp)
     if styles and "tp" not in mesh.axes:
         raise PlanError("the plan shards modules over 'tp', but the mesh has no 'tp' axis")
     modules = ctx.modules
@@ -102,13 +104,16 @@ def _no_expert_parallel(model_type: str) -> str:
 SHARDABLE_KINDS = ("linear", "conv1d", "embedding", "experts")
 
 
-def _refuse_styles_on_containers(modules: ModuleTable, styles: dict[str, str]) -> None:
-    """A style on a module that holds no shardable weight itself (a block, an attention or MLP module) would shard
-    nothing, silently: name the Linears under it instead."""
-    for path, style in styles.items():
-        info = modules[path]
-        if style == "replicate" or info.kind in SHARDABLE_KINDS:
+def _refuse_styles_on_containers(modules: ModuleTable, plan: dict[str, str] | str | None) -> None:
+    """A glob whose modules hold no shardable weight themselves (blocks, attention or MLP modules) would shard
+    nothing, silently: name the Linears under them instead. (A glob that also matches Linears, as
+    ``attention.self.*`` does beside a dropout, styles those.)"""
+    plan = modules.hf_plan if plan == "hf" else plan
+    for pattern, style in (plan or {}).items():
+        matched = [p for p in modules.paths() if fnmatch.fnmatchcase(p, pattern)]
+        if style == "replicate" or not matched or any(modules[p].kind in SHARDABLE_KINDS for p in matched):
             continue
+        path, info = matched[0], modules[matched[0]]
         inner = [p for p, m in modules.modules.items() if p.startswith(path + ".") and m.kind in SHARDABLE_KINDS]
         hint = (f", and {path!r} holds none itself; style its modules instead: {', '.join(inner[:6])}"
                 f"{', ...' if len(inner) > 6 else ''}") if inner else ""
