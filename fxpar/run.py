@@ -73,18 +73,37 @@ class Batches:
             return
         if not os.path.isfile(args.data):
             raise SavedProgramError(f"--data {args.data!r}: no such file")
-        self.tokens = np.memmap(args.data, dtype=np.dtype(args.dtype), mode="r")
+        self.tokens = _token_file(args.data, args.dtype)
         need = self.rows * self.width
         if len(self.tokens) < need:
             raise SavedProgramError(f"--data {args.data!r} holds {len(self.tokens)} tokens of {args.dtype}, fewer than "
                                     f"one batch: {self.rows} rows x {self.width} (sequence + 1) = {need}")
+        self(0)  # the first batch's ids, checked against the vocabulary before any process group exists
 
     def __call__(self, step: int) -> torch.Tensor:
         if self.generator is not None:
             return torch.randint(0, self.vocab, (self.rows, self.width), generator=self.generator)
         need = self.rows * self.width
         start = (step % (len(self.tokens) // need)) * need
-        return torch.from_numpy(np.asarray(self.tokens[start:start + need], dtype=np.int64)).view(self.rows, self.width)
+        ids = torch.from_numpy(np.asarray(self.tokens[start:start + need], dtype=np.int64)).view(self.rows, self.width)
+        if self.vocab is not None and int(ids.max()) >= self.vocab:
+            raise SavedProgramError(f"--data: step {step}'s batch holds token id {int(ids.max())}, but the model's "
+                                    f"vocabulary has {self.vocab} ids: is --dtype right, or the file another "
+                                    "tokenizer's?")
+        return ids
+
+
+def _token_file(path: str, dtype: str) -> Any:
+    """The token ids of ``path`` (a flat array of unsigned or signed integers of ``dtype``), memory-mapped."""
+    try:
+        kind = np.dtype(dtype)
+    except TypeError as e:
+        raise SavedProgramError(f"--dtype {dtype!r} is not a numpy dtype (uint16, uint32, int32, int64)") from e
+    if kind.kind not in "ui":
+        raise SavedProgramError(f"--dtype {dtype!r}: token ids are integers (uint16, uint32, int32, int64)")
+    if os.path.getsize(path) == 0:
+        raise SavedProgramError(f"--data {path!r} is empty")
+    return np.memmap(path, dtype=kind, mode="r")
 
 
 def check_launch(manifest: dict[str, Any], args: argparse.Namespace) -> tuple[int, int]:

@@ -226,11 +226,17 @@ def test_bad_input_is_a_clear_error_on_every_rank(tmp_path: os.PathLike, monkeyp
     shutil.copytree(prog, old)
     manifest = json.load(open(f"{old}/manifest.json"))
     json.dump({**manifest, "fxpar": "0.0.1"}, open(f"{old}/manifest.json", "w"))
-    for folder, tokens, message in ((prog, short, "fewer than one batch"), (old, data, "saved by fxpar 0.0.1")):
+    empty, wide = f"{tmp_path}/empty.bin", f"{tmp_path}/wide.bin"
+    open(empty, "wb").close()
+    write_tokens(wide, 1000, vocab=1000)  # another tokenizer's ids: the model has 128 (an IndexError in its embedding)
+    cases = ((prog, short, "fewer than one batch", []), (old, data, "saved by fxpar 0.0.1", []),
+             (prog, empty, "is empty", []), (prog, wide, "but the model's vocabulary has 128 ids", []),
+             (prog, data, "token ids are integers", ["--dtype", "float32"]))
+    for folder, tokens, message, extra in cases:
         for rank in range(2):  # each rank refuses by itself, before any process group exists
             monkeypatch.setenv("RANK", str(rank))
             monkeypatch.setenv("WORLD_SIZE", "2")
-            assert fxpar_run.main([folder, "--checkpoint", init, "--steps", "1", "--data", tokens]) == 2
+            assert fxpar_run.main([folder, "--checkpoint", init, "--steps", "1", "--data", tokens, *extra]) == 2
             err = capsys.readouterr().err
             assert f"fxpar.run: error on rank {rank}:" in err and message in err, err
 
