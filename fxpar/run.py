@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -118,11 +119,33 @@ def check_launch(manifest: dict[str, Any], args: argparse.Namespace) -> tuple[in
     if not manifest["loss"] or manifest["targets"] is None:
         raise SavedProgramError("this program was saved without a loss over next-token targets (pm.save needs a "
                                 "model taking one tensor of token ids and a loss_fn given to fxpar.parallelize)")
+    _check_checkpoint_paths(args)
+    _check_numbers(args)
+    return rank, world
+
+
+def _check_checkpoint_paths(args: argparse.Namespace) -> None:
+    """``--checkpoint`` is a folder ``fxpar.checkpoint.save`` wrote; ``--save`` is no file (found before training,
+    not after it)."""
     if not os.path.isdir(args.checkpoint):
         raise CheckpointError(f"--checkpoint {args.checkpoint!r}: no such checkpoint folder")
+    if not os.path.isfile(os.path.join(args.checkpoint, ".metadata")):
+        raise CheckpointError(f"--checkpoint {args.checkpoint!r} is a folder but no checkpoint (it has no .metadata, "
+                              "which fxpar.checkpoint.save writes)")
+    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
+        raise CheckpointError(f"--save {args.save!r} is an existing file; a checkpoint is a folder")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Step count, learning rate, clipping norm and timeout are in range (each is torch's error, or a hang, late)."""
     if args.steps < 1:
         raise SavedProgramError(f"--steps must be at least 1, got {args.steps}")
-    return rank, world
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        raise SavedProgramError(f"--lr must be a finite number >= 0, got {args.lr}")
+    if args.clip_grad_norm is not None and not (math.isfinite(args.clip_grad_norm) and args.clip_grad_norm > 0):
+        raise SavedProgramError(f"--clip-grad-norm must be a finite number > 0, got {args.clip_grad_norm}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise SavedProgramError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
 
 
 def train(args: argparse.Namespace) -> None:

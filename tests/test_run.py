@@ -231,7 +231,11 @@ def test_bad_input_is_a_clear_error_on_every_rank(tmp_path: os.PathLike, monkeyp
     write_tokens(wide, 1000, vocab=1000)  # another tokenizer's ids: the model has 128 (an IndexError in its embedding)
     cases = ((prog, short, "fewer than one batch", []), (old, data, "saved by fxpar 0.0.1", []),
              (prog, empty, "is empty", []), (prog, wide, "but the model's vocabulary has 128 ids", []),
-             (prog, data, "token ids are integers", ["--dtype", "float32"]))
+             (prog, data, "token ids are integers", ["--dtype", "float32"]),
+             (prog, data, "--lr must be a finite number >= 0", ["--lr", "-1"]),
+             (prog, data, "--clip-grad-norm must be a finite number > 0", ["--clip-grad-norm", "0"]),
+             (prog, data, "is an existing file; a checkpoint is a folder", ["--save", data]),
+             (prog, data, "is a folder but no checkpoint", ["--checkpoint", prog]))
     for folder, tokens, message, extra in cases:
         for rank in range(2):  # each rank refuses by itself, before any process group exists
             monkeypatch.setenv("RANK", str(rank))
