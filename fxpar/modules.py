@@ -32,6 +32,7 @@ class ModuleTable:
     model_type: str
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     hf_plan: dict[str, str] | None = None
+    tied: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a parameter's name -> its other names (aliases)
 
     def __getitem__(self, path: str) -> ModuleInfo:
         return self.modules[path]
@@ -50,7 +51,16 @@ class ModuleTable:
 def module_table(model: torch.nn.Module, tp_plan: object = None) -> ModuleTable:
     """The table of ``model`` (``tp_plan == "hf"`` also reads its Hugging Face tp plan)."""
     modules = {path: _info(m) for path, m in model.named_modules()}
-    return ModuleTable(type(model).__name__, modules, hf_tp_plan(model) if tp_plan == "hf" else None)
+    return ModuleTable(type(model).__name__, modules, hf_tp_plan(model) if tp_plan == "hf" else None,
+                       _tied_names(model))
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each parameter held under several names (a tied head): its first name -> the others."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {first: tuple(rest) for first, *rest in names.values() if rest}
 
 
 def _info(module: torch.nn.Module) -> ModuleInfo:

@@ -164,8 +164,9 @@ def _check_context(plan: Plan, axes: dict[str, int], have: str) -> None:
 
 
 def resolve_plan(modules: ModuleTable, plan: dict[str, str] | None) -> dict[str, str]:
-    """Expand globs to ``{module path: style}``; every glob must match at least one module. ``"hf"`` is the
-    model's own Hugging Face plan (``fxpar.hf_plan``, read when the module table was recorded)."""
+    """Expand globs to ``{module path: style}``; every glob must match at least one module, and a module several
+    globs match takes the last one's style (a specific override after a broad glob). ``"hf"`` is the model's own
+    Hugging Face plan (``fxpar.hf_plan``, read when the module table was recorded)."""
     if plan is None:
         return {}
     if plan == "hf":

@@ -6,6 +6,7 @@ import fnmatch
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.errors import PlanError
 from fxpar.ir import Program, batch_placements, sp_boundary
@@ -22,9 +23,10 @@ def annotate(prog: Program, ctx: Context) -> Program:
     Ensures: every param/buffer/input placeholder has a placement per mesh axis: ``dp``
     shards inputs on dim 0 and replicates state; ``tp`` applies the plan (replicate otherwise);
     ``ep`` shards HF experts modules' weights on their experts dim (dim 0) and, like dp, the batch;
-    ``pp`` replicates everything (each stage is its own program). Inputs are batch-sharded over dp (and ep) on dim 0
-    when dim 0 is the batch (the first input's dim 0); other inputs are replicated. A pipeline stage's received
-    values are placed as the previous stage's outputs are (``batch_placements``).
+    ``pp`` replicates everything (each stage is its own program). A weight tied under several names takes the
+    style the plan gives any of its modules (PlanError if two place it differently). Inputs are batch-sharded over
+    dp (and ep) on dim 0 when dim 0 is the batch (the first input's dim 0); other inputs are replicated. A
+    pipeline stage's received values are placed as the previous stage's outputs are (``batch_placements``).
     Raises PlanError for unknown axes, globs that match nothing and unsupported modules,
     ValueError for a parameter dim smaller than its axis and a batch smaller than dp (a rank would be
     empty). A dim its axis does not divide is split as ``fxpar.split`` says (DTensor's split for
@@ -45,11 +47,10 @@ def annotate(prog: Program, ctx: Context) -> Program:
         path, _, pname = fqn.rpartition(".")
         per_axis = []
         for axis, n in mesh.axes.items():
-            style = styles.get(path, "replicate") if axis == "tp" else "replicate"
             if axis == "ep" and n > 1:
                 per_axis.append(Shard(0) if modules[path].kind == "experts" else Replicate())  # experts dim
             else:
-                per_axis.append(param_tp_placement(modules[path], path, pname, style) if n > 1 else Replicate())
+                per_axis.append(_tp_placement(modules, styles, fqn) if axis == "tp" and n > 1 else Replicate())
         placements[name] = tuple(per_axis)  # a dim the axis does not divide is split as DTensor does
         check_shardable(prog.node(name).meta["val"].shape, placements[name], mesh.shape,
                         f"parameter {fqn!r} (module {path!r})")
@@ -80,6 +81,22 @@ def annotate(prog: Program, ctx: Context) -> Program:
                              "without a sample (its batch-mean loss would be undefined); use a batch of at least "
                              f"{dp} or a smaller dp axis")
     return prog.replace("annotate", placements=placements, notes={**prog.notes, "plan": styles})
+
+
+def _tp_placement(modules: ModuleTable, styles: dict[str, str], fqn: str) -> Placement:
+    """The tp placement of parameter ``fqn``: its module's style, or, for a weight tied under several names (a head
+    tied to the embedding), the style of whichever of its modules the plan names (all named must agree: a tied
+    weight has one layout)."""
+    chosen: dict[Placement, str] = {}
+    for name in (fqn, *modules.tied.get(fqn, ())):
+        path, _, pname = name.rpartition(".")
+        if path in styles:
+            chosen.setdefault(param_tp_placement(modules[path], path, pname, styles[path]), f"{path} {styles[path]!r}")
+    if len(chosen) > 1:
+        raise PlanError(f"parameter {fqn!r} is tied under the names {', '.join((fqn, *modules.tied[fqn]))}, and the "
+                        f"plan gives it two layouts ({' and '.join(f'{s} -> {p}' for p, s in chosen.items())}); a "
+                        "tied weight has one: style one of its modules, or give both styles that place it alike")
+    return next(iter(chosen), Replicate())
 
 
 def _check_sequence(prog: Program) -> None:

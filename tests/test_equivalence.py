@@ -12,6 +12,7 @@ from functools import partial
 import pytest
 import torch
 
+import fxpar
 from fxpar.models.llama import hf_llama_plan, llama, llama_plan
 from fxpar.models.mlp import mlp, mlp_plan
 from fxpar.testing import assert_equivalent
@@ -49,6 +50,11 @@ def test_hf_llama(mesh: dict[str, int]) -> None:
 
 
 def test_tied_embeddings_bundled_llama() -> None:
+    """The head is the tied table's second name: its style shards the one weight (it used to be ignored silently,
+    leaving the table replicated); the embedding then reads the gathered table."""
     torch.manual_seed(4)
     tokens = torch.randint(0, 256, (4, 16))
-    assert_equivalent(partial(llama, tie_embeddings=True), {"dp": 2, "tp": 2}, llama_plan(), (tokens,))
+    plan = {**llama_plan(), "lm_head": "colwise"}
+    pm = fxpar.parallelize(llama(tie_embeddings=True), fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), (tokens,), plan=plan)
+    assert pm.program(0).count("# embed_weight: f32[128,64]") == 1  # vocab 256 in halves over tp
+    assert_equivalent(partial(llama, tie_embeddings=True), {"dp": 2, "tp": 2}, plan, (tokens,))

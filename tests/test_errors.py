@@ -256,6 +256,16 @@ def test_a_style_on_a_module_without_a_weight_of_its_own_names_the_linears_under
                           plan={"layers.*.attn": "colwise"})
 
 
+def test_a_tied_weight_given_two_layouts_is_refused() -> None:
+    # embed colwise shards the table's hidden dim, lm_head colwise its vocab dim: one of the two was dropped silently
+    tokens = torch.randint(0, 256, (4, 16))
+    with pytest.raises(fxpar.PlanError, match=r"parameter 'embed.weight' is tied under the names embed.weight, "
+                                              r"lm_head.weight, and the plan gives it two layouts \(embed 'colwise' "
+                                              r"-> S\(1\) and lm_head 'colwise' -> S\(0\)\)"):
+        fxpar.parallelize(llama(n_layers=2, tie_embeddings=True), fxpar.Mesh({"tp": 2}, fake=True), (tokens,),
+                          plan={"embed": "colwise", "lm_head": "colwise"})
+
+
 @pytest.mark.parametrize(("plan", "message"), [
     (fxpar.Plan(zero=True), "zero must be 0, 1, 2 or 3 (an int), got True"),  # it ran as ZeRO-1
     (fxpar.Plan(stages="4"), "did you mean stages=['4']?"),  # read letter by letter
