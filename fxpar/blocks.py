@@ -25,9 +25,7 @@ A block whose parameters are shared with another block, or that has hooks, is ca
 
 from __future__ import annotations
 
-import functools
 import itertools
-import math
 import os
 import re
 import weakref
@@ -40,6 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+from fxpar.block_reads import CLOSURE, PLAIN, current, recording_reads, value_key
 from fxpar.mixed_precision import raw_parameter
 from fxpar.not_shared import NotShared
 from fxpar.taken_off import BlockState
@@ -48,8 +47,6 @@ from fxpar.taken_off import BlockState
 # keyed "0", "1", ... so that a pipeline stage can drop layers and keep every path
 BLOCK_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 SHARING_ENV = "FXPAR_SHARING"  # "0": trace every layer (the escape hatch; the programs must be byte-identical)
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
-_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
 _site_ids = itertools.count()
 
 
@@ -142,6 +139,7 @@ class Site:
     out_constants: tuple[Any, ...]  # the flat output leaves, TENSOR where a tensor goes
     templates: tuple[tuple[Any, ...], ...]  # shape, stride, dtype, requires_grad, first index, offset, device
     key: tuple[Any, ...]
+    reads: dict[tuple[str, ...], Any] = field(default_factory=dict)  # what its code read (``fxpar.block_reads``)
 
 
 @dataclass
@@ -255,7 +253,10 @@ def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forwa
             params = state.params if state else dict(module.named_parameters())
             buffers = state.buffers if state else dict(module.named_buffers())
             templates = _tensor_keys(tensors)
-            key = (structure, str(in_spec), tuple(map(_value_key, constants)), templates, _global_state())
+            if any(isinstance(x, torch.nn.Module) for x in constants):  # its code and state are not the block's
+                raise NotShared(f"{path} is passed a module")
+            key = (structure, str(in_spec), tuple("TENSOR" if x is TENSOR else value_key(x) for x in constants),
+                   templates, _global_state())
         variant, run = _known_run(table, key, module)
         if run is None:
             with state.on() if state else nullcontext():
@@ -264,7 +265,7 @@ def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forwa
                 TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves), tuple(
                 (tuple(t.shape), t.stride(), t.dtype) for t in out_leaves if isinstance(t, torch.Tensor))))
         site = Site(next(_site_ids), path, module, in_spec, constants, len(tensors), tuple(params), tuple(buffers),
-                    run.out_spec, run.out_constants, templates, (*key, variant))
+                    run.out_spec, run.out_constants, templates, (*key, variant), run.reads)
         table.sites[site.id] = site
         _OUT_META[site.id] = run.out_meta
         outs = iter(block_call(site.id, [*tensors, *_state_inputs(module, state, params, buffers)]))
@@ -287,7 +288,7 @@ def _state_inputs(module: torch.nn.Module, state: BlockState | None, params: dic
 class _Run:
     """What one fake run of a block showed: the plain attributes its code read and its outputs' structure."""
 
-    reads: dict[tuple[str, str], Any]  # (submodule path, attribute) -> value
+    reads: dict[tuple[str, ...], Any]  # what its code read -> the value's key (``fxpar.block_reads``)
     out_spec: Any
     out_constants: tuple[Any, ...]  # the flat output leaves, TENSOR where a tensor goes
     out_meta: tuple[tuple[Any, ...], ...]  # shape, stride, dtype of each output tensor
@@ -299,20 +300,13 @@ def _global_state() -> tuple[Any, ...]:
 
 
 def _known_run(table: BlockTable, key: tuple[Any, ...], module: torch.nn.Module) -> tuple[int, _Run | None]:
-    """An earlier run with the same ``key`` whose read attributes have the same values on ``module``: the block's
-    code depends on nothing else, so this call would run the same way (its fake run is skipped)."""
+    """An earlier run with the same ``key`` whose reads (``fxpar.block_reads``) hold the same values now: the
+    block's code depends on nothing else, so this call would run the same way (its fake run is skipped)."""
     runs = table._runs.get(key, [])
     for i, run in enumerate(runs):
-        if all(_value_key(_attribute(module, where, name)) == _value_key(v) for (where, name), v in run.reads.items()):
+        if all(read[0] == CLOSURE or value_key(current(module, read)) == v for read, v in run.reads.items()):
             return i, run
     return len(runs), None
-
-
-def _attribute(module: torch.nn.Module, where: str, name: str) -> Any:
-    return module.get_submodule(where).__dict__.get(name, _MISSING)
-
-
-_MISSING = object()
 
 
 def _record_run(table: BlockTable, key: tuple[Any, ...], run: _Run) -> tuple[int, _Run]:
@@ -326,12 +320,12 @@ def _record_run(table: BlockTable, key: tuple[Any, ...], run: _Run) -> tuple[int
     return len(runs) - 1, run
 
 
-def _reads_key(reads: dict[tuple[str, str], Any]) -> tuple[Any, ...]:
-    return tuple(sorted((k, _value_key(v)) for k, v in reads.items()))
+def _reads_key(reads: dict[tuple[str, ...], Any]) -> tuple[Any, ...]:
+    return tuple(sorted(reads.items()))
 
 
 def _fake_run(module: torch.nn.Module, forward: Callable[..., Any], fake_mode: Any, args: Any, kwargs: Any,
-              tensors: list[torch.Tensor]) -> tuple[list[Any], Any, dict[tuple[str, str], Any]]:
+              tensors: list[torch.Tensor]) -> tuple[list[Any], Any, dict[tuple[str, ...], Any]]:
     """Run the block once on fresh fake copies of its inputs, outside the trace: its outputs and the plain
     attributes its code read."""
     with disable_proxy_modes_tracing(), fake_mode:
@@ -343,7 +337,7 @@ def _fake_run(module: torch.nn.Module, forward: Callable[..., Any], fake_mode: A
     for x in leaves:
         if isinstance(x, torch.Tensor) and any(x is c for c in copies.values()):
             raise NotShared("a block returns one of its inputs")
-        if not isinstance(x, (torch.Tensor, *_PLAIN)):
+        if not isinstance(x, (torch.Tensor, *PLAIN)):
             raise NotShared(f"a block returns a {type(x).__name__}")
     return leaves, spec, reads
 
@@ -355,73 +349,10 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
     return x.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else x
 
 
-def _plain_key(v: Any) -> tuple[Any, ...]:
-    """Equal for values a block's code cannot tell apart: ``1``, ``True`` and ``1.0`` compare equal but are not
-    (``x is True``, ``isinstance``), nor are ``0.0`` and ``-0.0`` (``math.copysign``)."""
-    if isinstance(v, float):
-        return ("float", v, math.copysign(1.0, v))
-    return (type(v).__name__, v)
-
-
-def _value_key(v: Any) -> Any:
-    if v is TENSOR:
-        return "TENSOR"
-    if isinstance(v, _PLAIN):
-        return _plain_key(v)
-    if isinstance(v, (tuple, list, frozenset)) and all(isinstance(x, _PLAIN) for x in v):
-        return (type(v).__name__, tuple(map(_plain_key, v)))
-    if isinstance(v, functools.partial):  # e.g. an activation's per-layer partial(gelu, approximate="tanh")
-        return ("partial", _value_key(v.func), tuple(map(_value_key, v.args)),
-                tuple(sorted((k, _value_key(x)) for k, x in v.keywords.items())))
-    if hasattr(v, "cast_key"):  # ``fxpar.mixed_precision``'s casting forward: a closure per module, same behaviour
-        original = v.original
-        return ("cast", _value_key(getattr(original, "__func__", original)), v.cast_key)
-    return ("id", id(v))
-
-
 def _tensor_keys(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
     first: dict[int, int] = {}
     return tuple((tuple(t.shape), t.stride(), t.dtype, t.requires_grad, first.setdefault(id(t), i),
                   t.storage_offset(), t.device) for i, t in enumerate(tensors))
-
-
-@contextmanager
-def recording_reads(module: torch.nn.Module) -> Iterator[dict[tuple[str, str], Any]]:
-    """Record every plain instance attribute read on ``module``'s submodules inside: ``(path, name) -> value``."""
-    reads: dict[tuple[str, str], Any] = {}
-    swapped = [(m, type(m)) for m in module.modules()]
-    paths = {id(m): rel for rel, m in module.named_modules()}
-    try:
-        for m, cls in swapped:
-            m.__class__ = _recording_class(cls)
-            m.__dict__["_fxpar_reads"] = (paths[id(m)], reads)
-        yield reads
-    finally:
-        for m, cls in swapped:
-            m.__class__ = cls
-            m.__dict__.pop("_fxpar_reads", None)
-
-
-_RECORDING: dict[type, type] = {}
-
-
-def _recording_class(cls: type) -> type:
-    if cls not in _RECORDING:
-        def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
-            d = object.__getattribute__(self, "__dict__")
-            if name not in _MODULE_INTERNALS and name != "_fxpar_reads" and not name.startswith("__"):
-                where, reads = d["_fxpar_reads"]
-                if name in d:
-                    reads[(where, name)] = d[name]
-                elif not (name in d["_parameters"] or name in d["_buffers"] or name in d["_modules"]):
-                    # read from the class, or missing (``getattr(self, name, default)``): a layer whose own
-                    # attribute overrides it runs the code another way
-                    reads.setdefault((where, name), _MISSING)
-            return object.__getattribute__(self, name)
-
-        _RECORDING[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                                      "__module__": cls.__module__})
-    return _RECORDING[cls]
 
 
 _BASE_NAME = re.compile(r"_\d+$")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -322,6 +323,8 @@ def _cost_model(exported: Any) -> Callable[[fx.Node], float]:
     data = data_nodes(exported.gm.graph)
 
     def cost(n: fx.Node) -> float:
+        if n.target is operator.getitem and getattr(n.args[0], "target", None) is BLOCK_OPS[0]:
+            return 0.0  # a block output: its node is counted in the call (a whole-model export has no getitem)
         if n.target is not BLOCK_OPS[0]:
             return node_cost(n)
         site = blocks.table.sites[n.args[0]]

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from fxpar.batch_norm import CAPTURE_DECOMPOSITIONS
+from fxpar.block_reads import recording_reads
 from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name
 from fxpar.creation_order import dead_names_before, recording_names
 from fxpar.grad_accumulation import absorbed, accumulation_chains
@@ -107,7 +108,11 @@ class Blocks:
         self.reps: dict[tuple[Any, ...], Representative] = {}
 
     def note_uses(self, graph: fx.Graph) -> None:
-        """Record which tensor outputs of every ``fxpar::block`` node of the exported forward ``graph`` are read."""
+        """Record which tensor outputs of every ``fxpar::block`` node of the exported forward ``graph`` are read.
+        A block module called more than once (ALBERT's one layer, ``layers[i % 2]``) is not shared: its parameters'
+        gradients are sums over its calls, in an order only the whole-model trace knows."""
+        if len({site.path for site in self.table.sites.values()}) < len(self.table.sites):
+            raise NotShared("a block is called more than once")
         for n in graph.nodes:
             if n.op == "call_function" and n.target is _BLOCK:
                 used = sorted({u.args[1] for u in n.users if u.target is operator.getitem and u.users})
@@ -178,11 +183,22 @@ def _trace(site: Site, used: tuple[int, ...], fake_mode: Any) -> Representative:
             t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
             made.append(t.requires_grad_(requires_grad))
         args = tuple(made)
-        ep = torch.export.export(wrapper, args, strict=False)
+        with recording_reads(site.module) as reads:
+            ep = torch.export.export(wrapper, args, strict=False)
+    _check_reads_unchanged(site, reads)
+    with fake_mode:
         token_rows_unflattened(ep.graph_module)
         with ExitStack() as stack, without_onednn(), recording_names():
             joint = aot_export_joint_with_descriptors(stack, ep.module(), args, decompositions=CAPTURE_DECOMPOSITIONS)
     return _representative(joint.graph_module, site, used, ep.graph_module.graph, len(args))
+
+
+def _check_reads_unchanged(site: Site, reads: dict[tuple[str, ...], Any]) -> None:
+    """The block is traced after the whole export: what its code read then (a global the model sets before each
+    layer, a helper's field) must still hold what the call saw, or the trace is of another variant."""
+    for read, value in site.reads.items():
+        if reads.get(read, value) != value:
+            raise NotShared(f"{site.path} reads {read[-1]!r}, which changed after its call")
 
 
 @contextmanager

@@ -115,6 +115,58 @@ def test_layers_differing_in_plain_attributes_are_captured_apart(monkeypatch: py
         assert f", {value})" in programs[True]
 
 
+@pytest.mark.parametrize("source", ["global_dict", "global_float", "helper", "module_arg", "dict_read"])
+def test_a_block_reading_state_the_model_changes_between_layers_is_not_shared_wrongly(
+        source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model sets a global (a dict entry, a rebound float), a field of a helper every layer holds or of a module
+    it passes, before each layer, or one layer has an attribute read through ``self.__dict__``: each layer got the
+    first layer's (or the last's) value baked in with sharing on (a wrong answer on gloo). The programs must be
+    sharing off's."""
+    from fxpar.testing.block_models import OutsideState
+
+    x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)),)
+    programs = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            programs[on] = _compile(functools.partial(OutsideState, source), {"dp": 2}, x).program(0)
+    assert programs[True] == programs[False]
+    wanted = ("1.0", "1.0", "3.0", "1.0") if source == "dict_read" else ("1.0", "2.0", "3.0", "4.0")
+    assert [line.split(", ")[-1].split(")")[0] for line in programs[True].splitlines()
+            if "aten.mul.Tensor(tanh" in line] == list(wanted)
+
+
+def _two_stage_programs(build: Callable[[], torch.nn.Module], monkeypatch: pytest.MonkeyPatch) -> dict[bool, list]:
+    """Both ranks' programs of ``build`` on pp=2 (2 stages, 2 microbatches), sharing on and off."""
+    x = (torch.randn(4, 8, generator=torch.Generator().manual_seed(0)),)
+    programs = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(build, {"pp": 2}, x, fxpar.Plan(stages=2, microbatches=2), example_targets=x[0],
+                          loss_fn=lambda out, y: (out - y).pow(2).mean())
+            programs[on] = [pm.program(r) for r in (0, 1)]
+    return programs
+
+
+def test_a_shared_blocks_cost_splits_stages_as_the_whole_model_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage split's cost counted each shared block's outputs twice (the call and the ``getitem`` reading it), so
+    sharing on split after layer 1 where the whole-model trace splits after layer 2."""
+    from fxpar.testing.block_models import WideHead
+
+    programs = _two_stage_programs(WideHead, monkeypatch)
+    holds = {on: [line for p in progs for line in p.splitlines() if line.startswith("# holds")]
+             for on, progs in programs.items()}
+    assert holds[True] == holds[False] == ["# holds   inp, layers.0-2", "# holds   layers.3, head, out"]
+
+
+def test_a_block_called_several_times_is_traced_whole_on_a_pipeline_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused on dp already; a pipeline stage's export (its state left on the blocks) shared the block and summed
+    its gradients in another order than the whole-model trace (same values, another program)."""
+    from fxpar.testing.block_models import CalledTwice
+
+    programs = _two_stage_programs(CalledTwice, monkeypatch)
+    assert programs[True] == programs[False]
+
+
 def test_sharing_escape_hatch_traces_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``FXPAR_SHARING=0`` captures the whole model and lowers every rank on its own."""
     with sharing(False, monkeypatch):

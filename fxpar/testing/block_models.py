@@ -112,3 +112,111 @@ class SkipStack(nn.Module):
 def skip_stack() -> SkipStack:
     torch.manual_seed(0)
     return SkipStack()
+
+
+_SCALES = {"scale": 1.0}  # a module-level dict the model sets before each layer
+SCALE = 1.0  # a module-level float the model rebinds before each layer
+
+
+class _Helper:
+    """A plain object every layer holds (a config, a cache): the model sets its field before each layer."""
+
+    def __init__(self) -> None:
+        self.k = 1.0
+
+
+class _Gain(nn.Module):
+    """A parameterless module passed to every layer: the model sets its field before each layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = 1.0
+
+
+class OutsideStateBlock(nn.Module):
+    """A block whose scale comes from outside its arguments and its own attributes: ``source`` says where."""
+
+    def __init__(self, width: int, source: str, helper: _Helper) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.source, self.helper = source, helper
+
+    def forward(self, x: torch.Tensor, gain: _Gain | None = None) -> torch.Tensor:
+        if self.source == "global_dict":
+            scale = _SCALES["scale"]
+        elif self.source == "global_float":
+            scale = SCALE
+        elif self.source == "helper":
+            scale = self.helper.k
+        elif self.source == "module_arg":
+            scale = gain.gain
+        else:  # "dict_read": an attribute only layer 2 has, read through the instance dict
+            scale = self.__dict__.get("gain", 1.0)
+        return x + torch.tanh(self.lin(x)) * scale
+
+
+class OutsideState(nn.Module):
+    """Four ``OutsideStateBlock``s; the model sets layer ``i``'s scale to ``i + 1`` where ``source`` says."""
+
+    def __init__(self, source: str, width: int = 16) -> None:
+        super().__init__()
+        helper = _Helper()
+        self.inp = nn.Linear(width, width)
+        self.layers = nn.ModuleList(OutsideStateBlock(width, source, helper) for _ in range(4))
+        self.gain = _Gain()
+        self.head = nn.Linear(width, 4)
+        self.source = source
+        self.layers[2].__dict__["gain"] = 3.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global SCALE
+        x = self.inp(x)
+        for i, layer in enumerate(self.layers):
+            _SCALES["scale"] = SCALE = self.gain.gain = layer.helper.k = float(i + 1)
+            x = layer(x, self.gain) if self.source == "module_arg" else layer(x)
+        return self.head(x)
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class WideHead(nn.Module):
+    """Four residual blocks, then a head four times wider than the stream: a cost-balanced 2-stage split puts three
+    blocks on the first stage (a block's outputs were counted twice when it was traced once: two)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.layers = nn.ModuleList(_Residual(width) for _ in range(4))
+        self.head = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.head(x))
+
+
+class CalledTwice(nn.Module):
+    """Four residual blocks; the first two are called three times each, in turn (``layers[i % 2]``)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.layers = nn.ModuleList(_Residual(width) for _ in range(4))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for i in range(6):
+            x = self.layers[i % 2](x)
+        for layer in self.layers[2:]:
+            x = layer(x)
+        return self.head(x)

@@ -1,0 +1,198 @@
+"""What a block's code reads besides its arguments, recorded while it runs, so that two calls are shared only when
+they would run the same way.
+
+``recording_reads(module)`` records, as ``key -> value key``:
+
+* every plain instance attribute read on the block's submodules (``(path, name)``), and a read of a submodule's
+  whole ``__dict__`` by the model's code (``(path, "__dict__")``: its plain entries, by value);
+* every global the model's code loads (``("<global>", namespace id, name)``) and every closure variable it reads
+  (``("<closure>", code id, name)``): the code run while recording, outside torch, fxpar and the standard
+  library (a module-level ``scale`` the model sets before each layer, a helper object shared by every layer).
+  A closure variable has no cell to read it from later: it is compared when the block is traced after the
+  export (``fxpar.stitch``), not between two calls (a variable rebound between two calls of one block is the
+  one change this misses).
+
+A value is keyed by value when it is plain data, by its plain contents one level down for a container or an
+object (a config, a helper: a field changed in place between two calls tells them apart), and by identity
+otherwise (a function, a class, a module).
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import math
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
+MISSING = object()
+CLOSURE = "<closure>"
+GLOBAL = "<global>"
+_NAMESPACES: dict[str, dict[str, Any]] = {}  # namespace id -> a module's globals that a block's code loaded
+_FXPAR = os.path.dirname(sys.modules["fxpar"].__file__) + os.sep
+_NOT_MODEL_CODE = (os.path.dirname(torch.__file__) + os.sep, _FXPAR)
+_BUNDLED_MODELS = tuple(_FXPAR + d + os.sep for d in ("models", "testing"))  # user code that fxpar ships
+_STDLIB = (sysconfig.get_paths()["stdlib"], "<frozen")
+_FOLDED = 256  # containers and objects longer than this are keyed by identity (not read one level down)
+
+
+def plain_key(v: Any) -> tuple[Any, ...]:
+    """Equal for values a block's code cannot tell apart: ``1``, ``True`` and ``1.0`` compare equal but are not
+    (``x is True``, ``isinstance``), nor are ``0.0`` and ``-0.0`` (``math.copysign``)."""
+    if isinstance(v, float):
+        return ("float", v, math.copysign(1.0, v))
+    return (type(v).__name__, v)
+
+
+def value_key(v: Any, depth: int = 1) -> Any:
+    """A hashable key equal for two values the block's code would treat alike (see the module docstring)."""
+    if isinstance(v, PLAIN):
+        return plain_key(v)
+    if isinstance(v, Snapshot):
+        return ("snapshot", v.key)
+    if isinstance(v, functools.partial):  # e.g. an activation's per-layer partial(gelu, approximate="tanh")
+        return ("partial", value_key(v.func), tuple(map(value_key, v.args)),
+                tuple(sorted((k, value_key(x)) for k, x in v.keywords.items())))
+    if hasattr(v, "cast_key"):  # ``fxpar.mixed_precision``'s casting forward: a closure per module, same behaviour
+        original = v.original
+        return ("cast", value_key(getattr(original, "__func__", original)), v.cast_key)
+    if isinstance(v, (tuple, list, frozenset)) and all(isinstance(x, PLAIN) for x in v):
+        return (type(v).__name__, tuple(map(plain_key, v)))
+    if isinstance(v, types.MethodType):  # made anew at every access: the function, and whose method it is
+        owner = v.__self__
+        return ("method", id(v.__func__), "module" if isinstance(owner, torch.nn.Module) else value_key(owner, 0))
+    if depth > 0 and isinstance(v, types.FunctionType) and v.__closure__:  # a closure made per module or call: its code
+        return ("closure", id(v.__code__), tuple(_cell_key(c) for c in v.__closure__))  # and what it closes over
+    if depth == 0 or isinstance(v, (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType,
+                                    types.BuiltinFunctionType)):
+        return ("id", id(v))
+    contents = _contents(v)
+    if contents is None or len(contents) > _FOLDED:
+        return ("id", id(v))
+    return ("id", id(v), tuple((k, value_key(x, depth - 1)) for k, x in contents))
+
+
+def _cell_key(cell: Any) -> Any:
+    try:
+        return value_key(cell.cell_contents, 0)
+    except ValueError:  # an empty cell
+        return "empty"
+
+
+def _contents(v: Any) -> list[tuple[Any, Any]] | None:
+    """A container's items or an object's fields, one level down (None: nothing to read)."""
+    if isinstance(v, dict):
+        return [(k, x) for k, x in v.items() if isinstance(k, PLAIN)]
+    if isinstance(v, (list, tuple)):
+        return list(enumerate(v))
+    fields = getattr(v, "__dict__", None)
+    return list(fields.items()) if isinstance(fields, dict) else None
+
+
+class Snapshot:
+    """The plain entries of a submodule's ``__dict__`` (the model's code read the whole of it)."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.key = tuple(sorted((k, plain_key(x)) for k, x in fields.items()
+                                if k not in MODULE_INTERNALS and k != "_fxpar_reads" and isinstance(x, PLAIN)))
+
+
+def current(module: torch.nn.Module, read: tuple[str, ...]) -> Any:
+    """What ``read`` (a key ``recording_reads`` recorded, not a closure variable's) holds now for ``module``."""
+    where, name = read[-2], read[-1]
+    if read[0] == GLOBAL:
+        return _NAMESPACES[read[1]].get(name, MISSING)
+    fields = module.get_submodule(where).__dict__
+    return Snapshot(fields) if name == "__dict__" else fields.get(name, MISSING)
+
+
+@contextmanager
+def recording_reads(module: torch.nn.Module) -> Iterator[dict[tuple[str, ...], Any]]:
+    """Inside: record what the code run reads (module docstring) into the yielded ``{read: value key}``."""
+    reads: dict[tuple[str, ...], Any] = {}
+    swapped = [(m, type(m)) for m in module.modules()]
+    paths = {id(m): rel for rel, m in module.named_modules()}
+    previous = sys.gettrace()
+    try:
+        for m, cls in swapped:
+            m.__dict__["_fxpar_reads"] = (paths[id(m)], reads)
+            m.__class__ = _recording_class(cls)
+        sys.settrace(functools.partial(_record_globals, reads))
+        yield reads
+    finally:
+        sys.settrace(previous)
+        for m, cls in swapped:
+            m.__class__ = cls
+            m.__dict__.pop("_fxpar_reads", None)
+
+
+def _record_globals(reads: dict[tuple[str, ...], Any], frame: Any, event: str, arg: Any) -> None:
+    """A ``sys.settrace`` hook: record the globals and closure variables a model-code frame loads (no line tracing:
+    returns None)."""
+    if event != "call":
+        return None
+    code = frame.f_code
+    names = _loaded_names(code)
+    if names is None:
+        return None
+    namespace = frame.f_globals
+    token = str(id(namespace))
+    for name in names[0]:
+        if name in namespace:
+            _NAMESPACES.setdefault(token, namespace)
+            reads.setdefault((GLOBAL, token, name), value_key(namespace[name]))
+    if names[1]:
+        local = frame.f_locals
+        for name in names[1]:
+            if name in local:
+                reads.setdefault((CLOSURE, str(id(code)), name), value_key(local[name]))
+    return None
+
+
+@functools.cache
+def _loaded_names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The globals a code object loads and its closure variables; None for code that is not the model's (torch's,
+    nn.Module's own, fxpar's, the standard library's)."""
+    path = code.co_filename
+    if (path.startswith(_NOT_MODEL_CODE) and not path.startswith(_BUNDLED_MODELS)) or path.startswith(_STDLIB):
+        return None
+    loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+    return tuple(sorted(loaded)), code.co_freevars
+
+
+_RECORDING: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    if cls not in _RECORDING:
+        def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
+            d = object.__getattribute__(self, "__dict__")
+            if name == "__dict__":
+                if "_fxpar_reads" in d and _loaded_names(sys._getframe(1).f_code) is not None:  # the model's code
+                    where, reads = d["_fxpar_reads"]
+                    reads.setdefault((where, name), value_key(Snapshot(d)))
+            elif name not in MODULE_INTERNALS and name != "_fxpar_reads" and not name.startswith("__"):
+                where, reads = d["_fxpar_reads"]
+                if name in d:
+                    reads.setdefault((where, name), value_key(d[name]))
+                elif not (name in d["_parameters"] or name in d["_buffers"] or name in d["_modules"]):
+                    # read from the class, or missing (``getattr(self, name, default)``): a layer whose own
+                    # attribute overrides it runs the code another way
+                    reads.setdefault((where, name), value_key(MISSING))
+            return object.__getattribute__(self, name)
+
+        own = {"__getattribute__": __getattribute__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        recording = type(cls.__name__, (cls,), own)
+        for name in set(vars(recording)) - {*own, "__doc__"}:  # what the class's ``__init_subclass__`` added (HF's
+            delattr(recording, name)  # layers wrap ``forward`` again): the subclass only records
+        _RECORDING[cls] = recording
+    return _RECORDING[cls]
