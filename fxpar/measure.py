@@ -205,24 +205,34 @@ def _sync_cost(ranks: int, group: int, iters: int = 12, rounds: int = 3) -> floa
     return statistics.median(extra)
 
 
-def _on_threads(n: int, work: Callable[[dist.ProcessGroup], list[float]], tag: str,
+def _on_threads(n: int, work: Callable[[dist.ProcessGroup | None], list[float]], tag: str,
                 group: int | None = None) -> list[list[float]]:
     """``work(pg)`` on ``n`` threads of this process, ranks of gloo groups of ``group`` (default: all ``n``)
-    consecutive threads, each group on its own local store."""
+    consecutive threads, each group on its own local store; the threads past the last whole group (3 ranks in
+    groups of 2) run ``work(None)``: they load the machine as a rank does, in no group."""
     group = group or n
     stores = [dist.HashStore() for _ in range(n // group)]
     results: dict[int, list[float]] = {}
+    failures: list[BaseException] = []
 
     def run(rank: int) -> None:
         torch.set_num_threads(1)  # one thread per rank (OpenMP's count is per thread)
-        store = dist.PrefixStore(tag, stores[rank // group])
-        results[rank] = work(dist.ProcessGroupGloo(store, rank % group, group, timedelta(seconds=60)))
+        try:
+            if rank // group == len(stores):
+                results[rank] = work(None)
+                return
+            store = dist.PrefixStore(tag, stores[rank // group])
+            results[rank] = work(dist.ProcessGroupGloo(store, rank % group, group, timedelta(seconds=60)))
+        except BaseException as e:  # noqa: BLE001 - reported below, on the calling thread
+            failures.append(e)
 
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
+    if failures:
+        raise RuntimeError(f"Cluster.measure: a measuring thread of {n} failed: {failures[0]!r}") from failures[0]
     if len(results) < n:
         raise RuntimeError(f"Cluster.measure: a gloo all-reduce among {n} local threads did not finish in 120 s")
     return [results[r] for r in range(n)]

@@ -413,3 +413,20 @@ def test_closed_forms_charge_zero_its_group_collectives_and_the_working_copy_gat
                                              stages=1), latency_bound) for z in (0, 1))
     assert zero1.dp_comm >= (profile.n_blocks + 1) * 1e-3  # a gather per group, each paying the link latency
     assert plain.step_time < zero1.step_time
+
+
+def test_measuring_threads_in_groups_that_do_not_divide_them() -> None:
+    """``Cluster.measure(3)`` (a 3-rank mesh's ``plan=None``) timed groups of 2 on 3 threads: the third indexed past
+    the stores, died, and the measurement blamed a 120 s timeout (every rank then failed)."""
+    from fxpar.measure import _on_threads
+
+    def work(pg: object) -> list[float]:
+        if pg is None:
+            return [0.0]
+        x = torch.ones(4)
+        pg.allreduce([x]).wait()
+        return [float(x[0])]
+
+    assert _on_threads(3, work, "odd", group=2) == [[2.0], [2.0], [0.0]]
+    with pytest.raises(RuntimeError, match=r"a measuring thread of 2 failed: ZeroDivisionError"):
+        _on_threads(2, lambda pg: [1 / 0], "fails")
