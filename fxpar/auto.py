@@ -50,14 +50,23 @@ def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: 
 
 
 def _shared(cluster: Cluster | None, mesh: Mesh) -> Cluster | None:
-    """On a launched mesh, rank 0's cluster (measured there alone when not given) on every rank."""
+    """On a launched mesh, rank 0's cluster (measured there alone when not given) on every rank; a measurement that
+    fails on rank 0 fails on every rank (the others would wait in the broadcast, then issue other collectives)."""
     import torch.distributed as dist
 
     if mesh.fake or not dist.is_initialized():
         return cluster
-    box = [cluster or default_cluster(mesh) if dist.get_rank() == 0 else None]
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(cluster or default_cluster(mesh), None)]
+        except Exception as e:  # noqa: BLE001 - raised below on every rank
+            box = [(None, f"{type(e).__name__}: {e}")]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    found, error = box[0]
+    if error is not None:
+        raise RuntimeError(f"measuring this machine for the planner failed on rank 0: {error}")
+    return found
 
 
 def resolve_plan_arg(plan: Any, model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: Cluster | None,

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -430,3 +431,23 @@ def test_measuring_threads_in_groups_that_do_not_divide_them() -> None:
     assert _on_threads(3, work, "odd", group=2) == [[2.0], [2.0], [0.0]]
     with pytest.raises(RuntimeError, match=r"a measuring thread of 2 failed: ZeroDivisionError"):
         _on_threads(2, lambda pg: [1 / 0], "fails")
+
+
+def test_a_failed_measurement_fails_after_the_broadcast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 raised before ``broadcast_object_list`` while the other ranks waited in it; now rank 0 broadcasts the
+    error and every rank raises it (or, under ``plan=None``, falls back together)."""
+    import torch.distributed as dist
+
+    from fxpar import auto
+
+    def broken(mesh: object) -> Cluster:
+        raise IndexError("list index out of range")
+
+    broadcasts = []
+    monkeypatch.setattr(auto, "default_cluster", broken)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src: broadcasts.append(list(box)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"failed on rank 0: IndexError: list index out of range"):
+        auto._shared(None, SimpleNamespace(fake=False))  # a launched mesh, as _shared reads it
+    assert broadcasts == [[(None, "IndexError: list index out of range")]]
