@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from fxpar.capture_memo import one_call
 from fxpar.closed_form import Choice, ClosedForm, evaluate
 from fxpar.cluster import Cluster
 from fxpar.compiled import compile_model
-from fxpar.errors import PlanError, close_matches
+from fxpar.errors import FxparWarning, PlanError, close_matches
 from fxpar.estimate import estimate
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
@@ -304,7 +305,9 @@ def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster
         seen.add(key)
         if confirming:
             try:
-                compiled = compile_model(model, Mesh(mesh, fake=True), inputs, plan, loss_fn)
+                with warnings.catch_warnings():  # a candidate's warnings are not the chosen plan's (it warns itself)
+                    warnings.simplefilter("ignore", FxparWarning)
+                    compiled = compile_model(model, Mesh(mesh, fake=True), inputs, plan, loss_fn)
                 est = estimate(compiled, cluster)
             except Exception as e:  # noqa: BLE001  (a candidate the compiler refuses is reported, not fatal)
                 report.failed.append(f"{mesh} {plan_line(plan)}: {type(e).__name__}: {str(e).splitlines()[0]}")
