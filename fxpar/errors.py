@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import sys
+import warnings
 
 
 class PlanError(ValueError):
@@ -32,3 +34,15 @@ class SavedProgramError(ValueError):
 def close_matches(word: str, candidates: list[str], n: int = 5) -> list[str]:
     """Candidates that look like ``word``, best first (for 'did you mean' hints)."""
     return difflib.get_close_matches(word, candidates, n=n, cutoff=0.4)
+
+
+def warn_at_callers_line(message: str) -> None:
+    """A ``FxparWarning`` shown at the line of the user's code that called into fxpar (``parallelize``, a test
+    harness's call): the first frame outside fxpar and torch, however deep the pass that warns."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARY:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, FxparWarning, stacklevel=level + 1)
+
+
+_LIBRARY = frozenset(("fxpar", "torch", "contextlib", "functools"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Shard
 
+from fxpar.errors import warn_at_callers_line
 from fxpar.ir import Program
 from fxpar.pass_context import Context
 
@@ -17,7 +18,8 @@ def zero(prog: Program, ctx: Context) -> Program:
     shard: ``dim`` is the first dim that no other mesh axis shards and whose per-rank size (after
     tp) dp divides, so the dp shard of the tp shard is a plain ``Shard(dim)`` and needs no strided
     layout. Parameters without such a dim stay replicated over dp (DDP for them) and are listed
-    in ``notes["zero_replicated"]``. Lowering reads the table. ZeRO-1/2: a ``gather_params`` graph
+    in ``notes["zero_replicated"]`` (a ``FxparWarning`` when they hold 1% or more of the parameter bytes).
+    Lowering reads the table. ZeRO-1/2: a ``gather_params`` graph
     all-gathers the shards once per step and ``reduce_grads`` reduce-scatters their gradients
     (ZeRO-1: once per step; ZeRO-2: after every microbatch's backward, in the executor). ZeRO-3
     (FSDP): the forward graph takes the shards and all-gathers each right before its first use,
@@ -40,5 +42,28 @@ def zero(prog: Program, ctx: Context) -> Program:
             replicated.append(fqn)
         else:
             dims[fqn] = dim
+    _warn_replicated(prog, replicated, ctx.plan.zero, dp)
     return prog.replace("zero", notes={**prog.notes, "zero": dims, "zero_replicated": replicated,
                                                      "zero_level": ctx.plan.zero})
+
+
+def _warn_replicated(prog: Program, replicated: list[str], level: int, dp: int) -> None:
+    """A ``FxparWarning`` when ZeRO leaves 1% or more of the parameter bytes replicated (dp=3 on power-of-two
+    widths keeps the whole model: plain data parallelism, and its memory, where ZeRO was asked for)."""
+    size = {fqn: _nbytes(prog, name) for fqn, name in prog.signature.params}
+    kept = sum(size[fqn] for fqn in replicated)
+    if not kept or kept < 0.01 * sum(size.values()):
+        return
+    biggest = max(replicated, key=size.__getitem__)
+    shape = tuple(prog.node(dict(prog.signature.params)[biggest]).meta["val"].shape)
+    share = 100 * kept / sum(size.values())
+    warn_at_callers_line(
+        f"fxpar: Plan(zero={level}) keeps {len(replicated)} of {len(size)} parameters ({share:.0f}% of the parameter "
+        f"bytes) replicated over dp={dp}: dp divides none of their dims that tp leaves whole (the largest: "
+        f"{biggest!r} {shape}), and ZeRO shards a parameter on a dim dp divides; their memory is data parallelism's "
+        "(pm.memory counts it). Use a dp size that divides the model's widths")
+
+
+def _nbytes(prog: Program, name: str) -> int:
+    val = prog.node(name).meta["val"]
+    return val.numel() * val.element_size()

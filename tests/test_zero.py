@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import pytest
@@ -79,6 +80,19 @@ def test_zero1_ledger_with_tp_replicates_what_cannot_shard() -> None:
                      if any(k in n for k in (".q.", ".k.", ".v.", ".o.", ".gate.", ".up.", ".down.")))
     tp_local = local_psi - tp_sharded
     assert gathered == tp_local and not [r for r in rows if r.op == "all_reduce"]
+
+
+def test_zero_that_shards_almost_nothing_says_so() -> None:
+    """dp=3 divides no width of a power-of-two model: every parameter stayed replicated (plain data parallelism and
+    its memory) with no word; a bias of 3 among large weights is no reason to warn."""
+    tokens = torch.randint(0, 256, (6, 16))
+    message = r"Plan\(zero=3\) keeps 21 of 21 parameters \(100% .* over dp=3: .* 'embed.weight' \(256, 64\)"
+    with pytest.warns(fxpar.FxparWarning, match=message):
+        pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"dp": 3}, fake=True), (tokens,), plan=fxpar.Plan(zero=3))
+    assert pm.memory(0).params == sum(p.numel() for p in llama(n_layers=2).parameters()) * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxpar.FxparWarning)
+        fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"dp": 2}, fake=True), (tokens,), plan=fxpar.Plan(zero=3))
 
 
 def test_zero2_hf_llama_dp4_microbatched_matches_single_device() -> None:
