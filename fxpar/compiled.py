@@ -375,7 +375,7 @@ def _user_inputs(compiled: Compiled, args: tuple[Any, ...], targets: bool, call:
     if compiled.input_kind == "dict":
         if not args or not isinstance(args[0], dict):
             raise TypeError("this model was compiled with keyword inputs: call pm(**batch) or pm.step(batch, targets)")
-        _refuse_extra(args, 1 + targets, call)
+        _refuse_extra(args, 1, targets, call)
         batch = args[0]
         expected = set(compiled.input_keys) | set(compiled.constants)
         if set(batch) != expected:
@@ -385,7 +385,7 @@ def _user_inputs(compiled: Compiled, args: tuple[Any, ...], targets: bool, call:
     n = compiled.num_user_inputs
     if len(args) < n:
         raise TypeError(f"expected {n} model inputs (as in example_inputs), got {len(args)}")
-    _refuse_extra(args, n + targets, call)
+    _refuse_extra(args, n, targets, call)
     _check_constants(compiled, dict(enumerate(args[:n])))
     tensors = [a for i, a in enumerate(args[:n]) if i not in compiled.constants]
     return tensors, (args[n] if len(args) > n else None)
@@ -403,12 +403,13 @@ def refuse_inputs_needing_grad(flat: list[Any]) -> None:
                              "prompt as an nn.Parameter of a wrapper module), or pass x.detach()")
 
 
-def _refuse_extra(args: tuple[Any, ...], most: int, call: str) -> None:
+def _refuse_extra(args: tuple[Any, ...], inputs: int, targets: bool, call: str) -> None:
     """An argument the program would not read is a mistake (a stray target, a wrong call): refuse it by name."""
+    most = inputs + targets
     if len(args) > most:
         raise TypeError(f"{call} got {len(args)} arguments where the program takes at most {most} (the model was "
-                        f"compiled with {most - 1 if 'step' in call else most} input(s) as in example_inputs"
-                        f"{', then the targets' if 'step' in call else ''}); the extra ones would be ignored")
+                        f"compiled with {inputs} input(s) as in example_inputs{', then the targets' if targets else ''}"
+                        "); the extra ones would be ignored")
 
 
 def _check_constants(compiled: Compiled, given: dict[Any, Any]) -> None:
