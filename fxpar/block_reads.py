@@ -59,6 +59,8 @@ def value_key(v: Any, depth: int = 1) -> Any:
         return plain_key(v)
     if isinstance(v, Snapshot):
         return ("snapshot", v.key)
+    if isinstance(v, (types.ModuleType, type, torch.Tensor, torch.nn.Module)):  # not asked for attributes below (a
+        return ("id", id(v))  # lazy module's ``__getattr__`` may import)
     if isinstance(v, functools.partial):  # e.g. an activation's per-layer partial(gelu, approximate="tanh")
         return ("partial", value_key(v.func), tuple(map(value_key, v.args)),
                 tuple(sorted((k, value_key(x)) for k, x in v.keywords.items())))
@@ -72,8 +74,7 @@ def value_key(v: Any, depth: int = 1) -> Any:
         return ("method", id(v.__func__), "module" if isinstance(owner, torch.nn.Module) else value_key(owner, 0))
     if depth > 0 and isinstance(v, types.FunctionType) and v.__closure__:  # a closure made per module or call: its code
         return ("closure", id(v.__code__), tuple(_cell_key(c) for c in v.__closure__))  # and what it closes over
-    if depth == 0 or isinstance(v, (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType,
-                                    types.BuiltinFunctionType)):
+    if depth == 0 or isinstance(v, (types.FunctionType, types.BuiltinFunctionType)):
         return ("id", id(v))
     contents = _contents(v)
     if contents is None or len(contents) > _FOLDED:
