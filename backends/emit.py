@@ -41,7 +41,7 @@ from fxpar.rank_spec import events_data, rank_spec, spec_data
 from fxpar.rank_step import backward_halves, rank_step, step_ledger, tie_holders, tie_ranks
 from fxpar.split import rank_batch_size
 
-FORMAT = 1  # bump when the folder's layout or a literal's meaning changes (fxpar.run refuses others)
+FORMAT = 2  # bump when the folder's layout or a literal's meaning changes (fxpar.run refuses others)
 
 PRELUDE = '''import torch
 
@@ -69,8 +69,9 @@ class SaveSources:
     """What a saved folder needs beyond the compiled programs: buffer values, which parameters train, the loss."""
 
     def __init__(self, buffers: dict[str, torch.Tensor], requires_grad: dict[str, bool],
-                 loss_fn: Callable[..., torch.Tensor] | None) -> None:
+                 loss_fn: Callable[..., torch.Tensor] | None, non_persistent: frozenset[str] = frozenset()) -> None:
         self.buffers, self.requires_grad, self.loss_fn = buffers, requires_grad, loss_fn
+        self.non_persistent = non_persistent  # the model's buffers its state_dict leaves out (a checkpoint too)
 
 
 def save_programs(c: Compiled, folder: str, sources: SaveSources, ranks: list[int] | None = None) -> list[str]:
@@ -81,6 +82,7 @@ def save_programs(c: Compiled, folder: str, sources: SaveSources, ranks: list[in
     targets = _targets_meta(c)
     losses: dict[Any, str] = {}  # one trace per distinct local output signature
     manifest = _manifest(c, targets, sources.loss_fn is not None)
+    manifest["non_persistent_buffers"] = sorted(sources.non_persistent)
     paths = []
     for r in ranks:
         source, tensors = rank_file(c, r, sources, targets, losses)

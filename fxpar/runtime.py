@@ -30,7 +30,7 @@ from fxpar.memory import Memory
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.modes import ModeRun, ModeSource, ModeSwitching
-from fxpar.params import RankParameters, materialize
+from fxpar.params import RankParameters, materialize, non_persistent_buffers
 from fxpar.plan import Plan
 from fxpar.printer import ledger_table, print_rank_programs
 from fxpar.rank_spec import rank_spec
@@ -115,7 +115,8 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
         self._save_sources = SaveSources({}, {}, loss_fn)
         if model is not None:  # what pm.save writes beside the programs (references, no copies)
             self._save_sources = SaveSources(dict(model.named_buffers()),
-                                             {fqn: p.requires_grad for fqn, p in model.named_parameters()}, loss_fn)
+                                             {fqn: p.requires_grad for fqn, p in model.named_parameters()}, loss_fn,
+                                             non_persistent_buffers(model))
         if rank is not None and model is not None:
             self._materialize(model)
             self._save_sources.buffers.update(self.named_buffers())  # written buffers: this module's copies

@@ -80,7 +80,8 @@ class SavedRank:
         for p in self.params:
             register_param(state, p["fqn"], _empty_param(p, pmesh, device))
         for s, st in self.spec.stages.items():
-            state._stage_buffers[s] = stage_buffer_values(state, st, self.buffers, device)
+            state._stage_buffers[s] = stage_buffer_values(state, st, self.buffers, device,
+                                                          frozenset(manifest["non_persistent_buffers"]))
             state._runners[s] = StageRunner(st, self._graphs(s))
         executor = StepExecutor(state, state._runners, self.events, self.spec, self._loss(), ties)
         sync_generators(mesh.device)  # random ops (dropout) draw alike on every rank (fxpar.random_draws)

@@ -26,7 +26,7 @@ from fxpar.models import hf_families
 from fxpar.models.hf import hf_llama
 from fxpar.models.hf_families import TP_PLANS
 from fxpar.models.llama import hf_llama_plan, llama, llama_plan
-from fxpar.testing import default_pool, error_models
+from fxpar.testing import default_pool, error_models, user_models
 from fxpar.testing.launcher import (
     launch,
     logged_losses,
@@ -122,6 +122,20 @@ def test_every_plan_kind_trains_from_its_saved_folder_bitwise(case: str, tmp_pat
     in_process, replayed, different = results[0]
     assert replayed == in_process
     assert not different, f"weights differ after {STEPS} steps: {different[:5]}"
+
+
+def test_a_replay_reads_the_checkpoints_buffers_and_saves_them(tmp_path: os.PathLike) -> None:
+    """A buffer the program only reads (a frozen BatchNorm's statistics, here a scale) comes from the checkpoint,
+    as the weights do: the replay used the value baked into ``rank<r>.pt`` at ``pm.save`` and left the buffer out
+    of ``--save`` (a checkpoint the plain model could not load)."""
+    data = os.path.join(str(tmp_path), "tokens.bin")
+    write_tokens(data, ROWS * (SEQ + 1) * STEPS, vocab=128)
+    results = default_pool().run(train_both, 2, user_models.ScaledStreamLM, {"dp": 2}, fxpar.Plan(),
+                                 f"{tmp_path}/prog", data, ROWS, SEQ, STEPS, 1e-3, None, {"scale": 0.5}, timeout=300)
+    in_process, replayed, different = results[0]
+    assert replayed == in_process
+    assert not different, f"weights or buffers differ after {STEPS} steps: {different[:5]}"
+    assert read_checkpoint(f"{tmp_path}/prog.replayed")["scale"].eq(0.5).all()
 
 
 def test_clipped_training_replays_bitwise_with_a_weight_tied_across_stages(tmp_path: os.PathLike) -> None:

@@ -51,9 +51,12 @@ def token_batch(path: str, step: int, rows: int, seq: int, dtype: str = "uint16"
 
 def train_in_process(build: Callable[[], torch.nn.Module], axes: dict[str, int], plan: fxpar.Plan, folder: str,
                      init_ckpt: str, final_ckpt: str, data: str, rows: int, seq: int, steps: int,
-                     lr: float = 1e-3, clip: float | None = None) -> list[float]:
+                     lr: float = 1e-3, clip: float | None = None,
+                     buffers: dict[str, float] | None = None) -> list[float]:
     """On each pool rank: compile, save folder and initial weights, train ``steps`` steps (clipping the gradient
-    norm to ``clip`` with ``pm.clip_grad_norm_`` if given); rank 0's losses."""
+    norm to ``clip`` with ``pm.clip_grad_norm_`` if given); rank 0's losses. ``buffers``: values filled into the
+    compiled module's buffers after the folder is saved, before the initial weights are (a checkpoint's buffers
+    are what a replay must read, not the ones the folder was saved with)."""
     torch.manual_seed(0)
     model = build()
     mesh = fxpar.Mesh(axes)
@@ -62,6 +65,9 @@ def train_in_process(build: Callable[[], torch.nn.Module], axes: dict[str, int],
     pm = fxpar.parallelize(model, mesh, example, plan, loss_fn=next_token_loss)
     if rank == 0:
         pm.save(folder)
+    dist.barrier()  # the folder is written before any buffer below changes
+    for name, value in (buffers or {}).items():
+        pm.get_buffer(name).fill_(value)
     checkpoint.save(pm, None, init_ckpt)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     losses = []
@@ -79,13 +85,13 @@ def train_in_process(build: Callable[[], torch.nn.Module], axes: dict[str, int],
 
 
 def train_both(build: Callable[[], torch.nn.Module], axes: dict[str, int], plan: fxpar.Plan, folder: str,
-               data: str, rows: int, seq: int, steps: int, lr: float = 1e-3, clip: float | None = None
-               ) -> tuple[list[float], list[float], list[str]]:
+               data: str, rows: int, seq: int, steps: int, lr: float = 1e-3, clip: float | None = None,
+               buffers: dict[str, float] | None = None) -> tuple[list[float], list[float], list[str]]:
     """On each pool rank: ``train_in_process``, then the same steps from the saved folder with ``fxpar.run``'s
     training loop (``train_saved``) in the same process group. Returns both losses and the parameters whose
     local shards differ after training (compared bitwise)."""
     losses = train_in_process(build, axes, plan, folder, f"{folder}.init", f"{folder}.trained", data, rows, seq,
-                              steps, lr, clip)
+                              steps, lr, clip, buffers)
     manifest = read_manifest(folder)
     saved = load_rank(folder, manifest, dist.get_rank())
     replayed = train_saved(saved, manifest, "cpu", f"{folder}.init", steps,

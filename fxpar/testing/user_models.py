@@ -414,3 +414,19 @@ class FrozenBackbone(nn.Module):
 def frozen_backbone() -> FrozenBackbone:
     torch.manual_seed(0)
     return FrozenBackbone()
+
+
+class ScaledStreamLM(nn.Module):
+    """A language model whose stream is scaled by a persistent buffer it only reads (as a frozen BatchNorm's
+    statistics are read): the buffer's value comes with the weights, from a checkpoint."""
+
+    def __init__(self, vocab: int = 128, width: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("scale", torch.ones(width))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens) * self.scale
+        return self.head(h + torch.tanh(self.mix(h)))
