@@ -9,6 +9,7 @@ renamed module is a clear error instead of a failure deep inside DCP (or a hang 
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -46,6 +47,10 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
     Raises ``CheckpointError`` on every rank, before any data moves, if the checkpoint lacks a
     parameter or buffer name the module has (the message names it and the closest saved names).
     """
+    check_is_checkpoint(path)
+    if optimizer is not None and not has_optimizer(path):
+        raise CheckpointError(f"{path!r} was saved without optimizer state (fxpar.checkpoint.save(model, None, "
+                              "path)); load the weights alone with load(module, None, path)")
     check_names(module, path)
     full = get_model_state_dict(module)
     source = _one_name_per_tensor(module, full, set(saved_shapes(path)))
@@ -56,6 +61,15 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
     set_model_state_dict(module, {name: state["model"][source[name]] for name in full})
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, state["optim"])
+
+
+def check_is_checkpoint(path: str) -> None:
+    """Raise ``CheckpointError`` unless ``path`` is a folder ``save`` wrote (DCP's ``.metadata`` is in it)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r}: no such checkpoint folder")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"{path!r} is a folder but no checkpoint (it has no .metadata, which "
+                              "fxpar.checkpoint.save writes)")
 
 
 def saved_names(path: str) -> list[str]:

@@ -127,11 +127,7 @@ def check_launch(manifest: dict[str, Any], args: argparse.Namespace) -> tuple[in
 def _check_checkpoint_paths(args: argparse.Namespace) -> None:
     """``--checkpoint`` is a folder ``fxpar.checkpoint.save`` wrote; ``--save`` is no file (found before training,
     not after it)."""
-    if not os.path.isdir(args.checkpoint):
-        raise CheckpointError(f"--checkpoint {args.checkpoint!r}: no such checkpoint folder")
-    if not os.path.isfile(os.path.join(args.checkpoint, ".metadata")):
-        raise CheckpointError(f"--checkpoint {args.checkpoint!r} is a folder but no checkpoint (it has no .metadata, "
-                              "which fxpar.checkpoint.save writes)")
+    checkpoint.check_is_checkpoint(args.checkpoint)
     if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
         raise CheckpointError(f"--save {args.save!r} is an existing file; a checkpoint is a folder")
 

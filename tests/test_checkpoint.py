@@ -74,6 +74,19 @@ def test_a_checkpoint_whose_names_do_not_match_is_a_clear_error(saved: tuple[str
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_no_optimizer_state_and_no_checkpoint_are_clear_errors(tmp_path) -> None:  # noqa: ANN001
+    """An optimizer asked of a checkpoint saved without one failed in DCP ("Missing key in checkpoint state_dict:
+    optim.state..."), and a folder that is no checkpoint with a FileNotFoundError of its ``.metadata``."""
+    model = MODEL()
+    checkpoint.save(model, None, f"{tmp_path}/weights")
+    with pytest.raises(fxpar.CheckpointError, match=r"was saved without optimizer state .* load\(module, None, path\)"):
+        checkpoint.load(model, torch.optim.AdamW(model.parameters()), f"{tmp_path}/weights")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(fxpar.CheckpointError, match=r"is a folder but no checkpoint \(it has no .metadata"):
+        checkpoint.load(model, None, f"{tmp_path}/empty")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_tied_weight_saved_under_one_name_loads_into_the_plain_model(tmp_path) -> None:  # noqa: ANN001
     """A ``ParallelModule`` holds a tied weight once (``embed.weight``; the head's ``lm_head.weight`` is the same
     tensor), so its checkpoint has one name for it, and ``checkpoint.load`` into the plain model (whose state dict
