@@ -72,12 +72,14 @@ def data_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 
 def assign_stages(graph: fx.Graph, starts: list[str]) -> dict[fx.Node, int]:
-    """Stage of every data node: the latest start module seen so far, never before its inputs' stages."""
+    """Stage of every data node, and of every in-place write to model state that no input reaches (BatchNorm's
+    ``num_batches_tracked += 1``, a call counter: kept by the stage whose code writes it, not dropped): the latest
+    start module seen so far, never before its inputs' stages."""
     data = data_nodes(graph)
     stage: dict[fx.Node, int] = {}
     current = 0
     for n in graph.nodes:
-        if n not in data or n.op != "call_function":
+        if n.op != "call_function" or (n not in data and not _writes_state(n)):
             continue
         path = module_path(n)
         for k, start in enumerate(starts, start=1):
@@ -85,6 +87,12 @@ def assign_stages(graph: fx.Graph, starts: list[str]) -> dict[fx.Node, int]:
                 current = max(current, k)
         stage[n] = max([current, *(stage.get(a, 0) for a in n.all_input_nodes)])
     return stage
+
+
+def _writes_state(n: fx.Node) -> bool:
+    """An in-place op (``add_``, ``copy_``) whose effect is the point: nothing reads its result."""
+    target = n.target
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
 def stage_costs(stages: list[Any], has_w: bool) -> dict[tuple[str, int], float]:

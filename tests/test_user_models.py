@@ -14,6 +14,7 @@ from fxpar.testing.loss_models import mean_square
 from fxpar.testing.titan_llama import TITAN_TP, titan_llama, token_cross_entropy
 from fxpar.testing.user_models import (
     SHARED_LAYERS_TP,
+    call_counter,
     logits_square,
     optional_loss,
     residual_stack,
@@ -174,3 +175,12 @@ def test_an_encoder_and_a_decoder_split_across_both_lists_of_layers() -> None:
     assert pm.plan.notes["stage starts"] == "decoder.0"
     plan = fxpar.Plan(stages=4, schedule="interleaved-1f1b", microbatches=2)
     assert_equivalent(encoder_decoder, {"pp": 2}, plan, (source, target), loss_fn=mean_square, steps=2)
+
+
+def test_a_counter_no_input_reaches_is_kept_by_its_pipeline_stage() -> None:
+    """A buffer write whose value no input reaches (``calls += 1``; BatchNorm's ``num_batches_tracked``) was in no
+    pipeline stage and was dropped: the counter stayed 0 and a pp checkpoint lacked it. ``assert_equivalent`` now
+    also fails a buffer the single device writes that no rank holds (it passed this case)."""
+    tokens = torch.randint(0, 96, (8, 17), generator=torch.Generator().manual_seed(1))
+    assert_equivalent(call_counter, {"pp": 2}, fxpar.Plan(stages=["b"]), (tokens[:, :-1],), steps=2,
+                      loss_fn=token_cross_entropy, targets=tokens[:, 1:])

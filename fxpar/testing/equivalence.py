@@ -96,6 +96,8 @@ class RankReport:
     compared: int = 0
     program: str = ""
     ledger_errors: list[str] = field(default_factory=list)  # steps whose issued collectives differ from the ledger
+    buffers_held: list[str] = field(default_factory=list)  # this rank's ``pm.named_buffers()``
+    buffers_written: list[str] = field(default_factory=list)  # the single-device model's buffers its steps changed
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,18 @@ def assert_equivalent(model_fn: ModelFn, mesh_axes: dict[str, int], plan: Any, i
     mismatches = sorted((m for r in reports for m in r.mismatches), key=lambda m: (m.step, m.rank))
     if mismatches:
         raise EquivalenceError(_explain(case, mismatches), mismatches)
+    _check_written_buffers_are_held(case, reports)
     return reports
+
+
+def _check_written_buffers_are_held(case: Case, reports: list[RankReport]) -> None:
+    """A buffer the single-device model's steps change (BatchNorm's ``num_batches_tracked``, a counter) must be held
+    by some rank, where it was compared: one no rank holds was dropped, and was never compared."""
+    held = {name for r in reports for name in r.buffers_held}
+    lost = sorted({name for r in reports for name in r.buffers_written} - held)
+    if lost:
+        raise EquivalenceError(f"the single-device model's steps change buffers {lost} that no rank of the parallel "
+                               f"program holds: their updates are lost ({_replay(case)})", [])
 
 
 def _check_picklable(case: Case) -> None:
@@ -217,8 +230,11 @@ def check_rank(case: Case) -> RankReport:
     mesh = fxpar.Mesh(case.mesh_axes)
     reference, model = _build_twice(case)
     # the reference makes the plan's casts (mixed precision) and, as the compiled step, returns no KV cache
+    initial = {name: b.clone() for name, b in reference.named_buffers()}
     with computing_in(reference, _param_dtype(case)), without_kv_cache(reference):
-        return _check_rank(case, mesh, rank, reference, model)
+        report = _check_rank(case, mesh, rank, reference, model)
+    report.buffers_written = sorted(name for name, b in reference.named_buffers() if not torch.equal(b, initial[name]))
+    return report
 
 
 def _param_dtype(case: Case) -> torch.dtype | None:
@@ -243,6 +259,7 @@ def _check_rank(case: Case, mesh: fxpar.Mesh, rank: int, reference: torch.nn.Mod
     if case.rank_hook is not None:
         case.rank_hook(pm, rank)
     report = RankReport(rank, program=pm.program(rank) if case.want_program else "")
+    report.buffers_held = sorted(name for name, _ in pm.named_buffers())
     if len(pm._compiled.stages) > 1 or pm._compiled.microbatches > 1 or case.targets is not None:
         return _check_steps(case, pm, reference, report)
     tol = default_tolerance(_compute_dtype(case, reference), case.rtol, case.atol)

@@ -430,3 +430,25 @@ class ScaledStreamLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.emb(tokens) * self.scale
         return self.head(h + torch.tanh(self.mix(h)))
+
+
+class CallCounter(nn.Module):
+    """Counts its forward calls in a buffer the output never reads (as BatchNorm's ``num_batches_tracked``)."""
+
+    def __init__(self, vocab: int = 96, width: int = 32) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1.0)
+        h = torch.tanh(self.a(self.tok(ids)))
+        return self.head(torch.tanh(self.b(h)))
+
+
+def call_counter() -> CallCounter:
+    torch.manual_seed(0)
+    return CallCounter()
