@@ -85,12 +85,12 @@ def annotate(prog: Program, ctx: Context) -> Program:
 
 def _tp_placement(modules: ModuleTable, styles: dict[str, str], fqn: str) -> Placement:
     """The tp placement of parameter ``fqn``: its module's style, or, for a weight tied under several names (a head
-    tied to the embedding), the style of whichever of its modules the plan names (all named must agree: a tied
-    weight has one layout)."""
+    tied to the embedding), the style of whichever of its modules the plan shards (two that shard it differently
+    are refused: a tied weight has one layout; ``replicate`` on one of them gives way to the other's style)."""
     chosen: dict[Placement, str] = {}
     for name in (fqn, *modules.tied.get(fqn, ())):
         path, _, pname = name.rpartition(".")
-        if path in styles:
+        if styles.get(path, "replicate") != "replicate":
             chosen.setdefault(param_tp_placement(modules[path], path, pname, styles[path]), f"{path} {styles[path]!r}")
     if len(chosen) > 1:
         raise PlanError(f"parameter {fqn!r} is tied under the names {', '.join((fqn, *modules.tied[fqn]))}, and the "

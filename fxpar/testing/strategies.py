@@ -187,6 +187,8 @@ def plans(draw: st.DrawFn, spec: ModelSpec, mesh: dict[str, int], uneven: bool =
         plan[path] = draw(st.sampled_from(allowed))
     for path, dim in spec.embeddings().items():
         plan[path] = draw(st.sampled_from(["replicate", "colwise"] if dim % tp == 0 else ["replicate"]))
+    if getattr(spec, "tied", False) and plan.get("embed") == "colwise" and plan.get("lm_head") == "colwise":
+        plan["lm_head"] = "rowwise"  # the one tied table: the embedding's colwise is the head's rowwise (dim 1)
     sharded = {k: v for k, v in plan.items() if v != "replicate"}
     return sharded or None
 
