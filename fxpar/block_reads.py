@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from fxpar.not_shared import NotShared
+
 PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
 MISSING = object()
@@ -114,6 +116,14 @@ def current(module: torch.nn.Module, read: tuple[str, ...]) -> Any:
         return _NAMESPACES[read[1]].get(name, MISSING)
     fields = module.get_submodule(where).__dict__
     return Snapshot(fields) if name == "__dict__" else fields.get(name, MISSING)
+
+
+def check_reads_unchanged(path: str, then: dict[tuple[str, ...], Any], now: dict[tuple[str, ...], Any]) -> None:
+    """Raise ``NotShared`` unless every read recorded at a call (``then``) holds the same value when the block is
+    traced after the whole export (``now``): a global the model sets before each layer, a helper's field."""
+    for read, value in then.items():
+        if now.get(read, value) != value:
+            raise NotShared(f"{path} reads {read[-1]!r}, which changed after its call")
 
 
 @contextmanager

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from fxpar.batch_norm import CAPTURE_DECOMPOSITIONS
-from fxpar.block_reads import recording_reads
+from fxpar.block_reads import check_reads_unchanged, recording_reads
 from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name
 from fxpar.creation_order import dead_names_before, recording_names
 from fxpar.grad_accumulation import absorbed, accumulation_chains
@@ -185,20 +185,12 @@ def _trace(site: Site, used: tuple[int, ...], fake_mode: Any) -> Representative:
         args = tuple(made)
         with recording_reads(site.module) as reads:
             ep = torch.export.export(wrapper, args, strict=False)
-    _check_reads_unchanged(site, reads)
+    check_reads_unchanged(site.path, site.reads, reads)
     with fake_mode:
         token_rows_unflattened(ep.graph_module)
         with ExitStack() as stack, without_onednn(), recording_names():
             joint = aot_export_joint_with_descriptors(stack, ep.module(), args, decompositions=CAPTURE_DECOMPOSITIONS)
     return _representative(joint.graph_module, site, used, ep.graph_module.graph, len(args))
-
-
-def _check_reads_unchanged(site: Site, reads: dict[tuple[str, ...], Any]) -> None:
-    """The block is traced after the whole export: what its code read then (a global the model sets before each
-    layer, a helper's field) must still hold what the call saw, or the trace is of another variant."""
-    for read, value in site.reads.items():
-        if reads.get(read, value) != value:
-            raise NotShared(f"{site.path} reads {read[-1]!r}, which changed after its call")
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from fxpar.models import hf_families
 from fxpar.models.hf import hf_llama
 from fxpar.models.hf_families import TP_PLANS
 from fxpar.models.llama import hf_llama_plan, llama, llama_plan
-from fxpar.testing import default_pool, error_models, user_models
+from fxpar.testing import default_pool, error_models, state_models
 from fxpar.testing.launcher import (
     launch,
     logged_losses,
@@ -130,7 +130,7 @@ def test_a_replay_reads_the_checkpoints_buffers_and_saves_them(tmp_path: os.Path
     of ``--save`` (a checkpoint the plain model could not load)."""
     data = os.path.join(str(tmp_path), "tokens.bin")
     write_tokens(data, ROWS * (SEQ + 1) * STEPS, vocab=128)
-    results = default_pool().run(train_both, 2, user_models.ScaledStreamLM, {"dp": 2}, fxpar.Plan(),
+    results = default_pool().run(train_both, 2, state_models.ScaledStreamLM, {"dp": 2}, fxpar.Plan(),
                                  f"{tmp_path}/prog", data, ROWS, SEQ, STEPS, 1e-3, None, {"scale": 0.5}, timeout=300)
     in_process, replayed, different = results[0]
     assert replayed == in_process

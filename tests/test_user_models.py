@@ -11,10 +11,10 @@ import fxpar
 from fxpar.testing import assert_equivalent
 from fxpar.testing.block_models import encoder_decoder
 from fxpar.testing.loss_models import mean_square
+from fxpar.testing.state_models import call_counter
 from fxpar.testing.titan_llama import TITAN_TP, titan_llama, token_cross_entropy
 from fxpar.testing.user_models import (
     SHARED_LAYERS_TP,
-    call_counter,
     logits_square,
     optional_loss,
     residual_stack,

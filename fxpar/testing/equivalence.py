@@ -39,6 +39,7 @@ from fxpar.mixed_precision import computing_in
 from fxpar.split import batch_ranks
 from fxpar.testing.collectives import LOSS_REPORT, CollectiveCounter, ledger_mismatch
 from fxpar.testing.compile_once import compile_once
+from fxpar.testing.held_buffers import lost_buffers, written_buffers
 from fxpar.testing.pool import RankPool, RemoteError, default_pool
 from fxpar.testing.shards import (
     batch_size,
@@ -52,7 +53,7 @@ from fxpar.testing.shards import (
     rank_batch_weight,
     shard_of,
 )
-from fxpar.testing.tolerance import ADAM_EPS, Tolerance, default_tolerance
+from fxpar.testing.tolerance import ADAM_EPS, Tolerance, adam_sensitivity, default_tolerance
 
 ModelFn = Callable[[], torch.nn.Module]
 LossFn = Callable[[Any], torch.Tensor]
@@ -161,18 +162,11 @@ def assert_equivalent(model_fn: ModelFn, mesh_axes: dict[str, int], plan: Any, i
     mismatches = sorted((m for r in reports for m in r.mismatches), key=lambda m: (m.step, m.rank))
     if mismatches:
         raise EquivalenceError(_explain(case, mismatches), mismatches)
-    _check_written_buffers_are_held(case, reports)
-    return reports
-
-
-def _check_written_buffers_are_held(case: Case, reports: list[RankReport]) -> None:
-    """A buffer the single-device model's steps change (BatchNorm's ``num_batches_tracked``, a counter) must be held
-    by some rank, where it was compared: one no rank holds was dropped, and was never compared."""
-    held = {name for r in reports for name in r.buffers_held}
-    lost = sorted({name for r in reports for name in r.buffers_written} - held)
-    if lost:
+    lost = lost_buffers((r.buffers_held for r in reports), (r.buffers_written for r in reports))
+    if lost:  # never compared: a rank holding none of them had nothing to compare
         raise EquivalenceError(f"the single-device model's steps change buffers {lost} that no rank of the parallel "
                                f"program holds: their updates are lost ({_replay(case)})", [])
+    return reports
 
 
 def _check_picklable(case: Case) -> None:
@@ -230,10 +224,10 @@ def check_rank(case: Case) -> RankReport:
     mesh = fxpar.Mesh(case.mesh_axes)
     reference, model = _build_twice(case)
     # the reference makes the plan's casts (mixed precision) and, as the compiled step, returns no KV cache
-    initial = {name: b.clone() for name, b in reference.named_buffers()}
-    with computing_in(reference, _param_dtype(case)), without_kv_cache(reference):
+    with written_buffers(reference) as written, computing_in(reference, _param_dtype(case)), \
+            without_kv_cache(reference):
         report = _check_rank(case, mesh, rank, reference, model)
-    report.buffers_written = sorted(name for name, b in reference.named_buffers() if not torch.equal(b, initial[name]))
+    report.buffers_written = written
     return report
 
 
@@ -395,14 +389,6 @@ def _build_twice(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
     if getattr(getattr(reference, "config", None), "use_cache", False):
         reference.config.use_cache = False  # as fxpar compiles HF models: a training step, no KV cache out
     return reference, model
-
-
-def adam_sensitivity(grad: torch.Tensor, difference: torch.Tensor) -> torch.Tensor:
-    """How many ``lr`` a gradient ``difference`` can move an element under Adam, at most 2: its first step moves by
-    ``lr * g / (|g| + eps)``, whose slope is ``eps / (|g| + eps)**2``. Where the gradient is large that is nothing;
-    where it sits at the rounding floor (a key projection's bias, whose exact gradient is zero: softmax ignores a
-    shift of every score) a difference of 3e-8 moves the element 0.03 ``lr``, past the 2% of ``lr`` allowed."""
-    return (difference * ADAM_EPS / (grad.abs() + ADAM_EPS) ** 2).clamp(max=2.0)
 
 
 def _compare_param(name: str, got: torch.Tensor | None, want: torch.Tensor | None, step: int, tol: Tolerance,

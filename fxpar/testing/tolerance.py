@@ -70,3 +70,11 @@ def default_tolerance(dtype: torch.dtype, rtol: float | None = None, atol: float
 
 # Adam's eps used by the equivalence check (see the module docstring).
 ADAM_EPS = 1e-6
+
+
+def adam_sensitivity(grad: torch.Tensor, difference: torch.Tensor) -> torch.Tensor:
+    """How many ``lr`` a gradient ``difference`` can move an element under Adam, at most 2: its first step moves by
+    ``lr * g / (|g| + eps)``, whose slope is ``eps / (|g| + eps)**2``. Where the gradient is large that is nothing;
+    where it sits at the rounding floor (a key projection's bias, whose exact gradient is zero: softmax ignores a
+    shift of every score) a difference of 3e-8 moves the element 0.03 ``lr``, past the 2% of ``lr`` allowed."""
+    return (difference * ADAM_EPS / (grad.abs() + ADAM_EPS) ** 2).clamp(max=2.0)
