@@ -308,6 +308,11 @@ def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster
                 with warnings.catch_warnings():  # a candidate's warnings are not the chosen plan's (it warns itself)
                     warnings.simplefilter("ignore", FxparWarning)
                     compiled = compile_model(model, Mesh(mesh, fake=True), inputs, plan, loss_fn)
+                if plan.sequence_parallel and not any(p.notes.get("sequence_parallel") for p in compiled.stages):
+                    plan = dataclasses.replace(plan, sequence_parallel=False)  # no stream to shard: this program
+                    if f"{mesh} {plan}" in seen:
+                        continue
+                    seen.add(f"{mesh} {plan}")
                 est = estimate(compiled, cluster)
             except Exception as e:  # noqa: BLE001  (a candidate the compiler refuses is reported, not fatal)
                 report.failed.append(f"{mesh} {plan_line(plan)}: {type(e).__name__}: {str(e).splitlines()[0]}")
