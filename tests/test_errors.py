@@ -264,6 +264,10 @@ def test_a_tied_weight_given_two_layouts_is_refused() -> None:
                                               r"-> S\(1\) and lm_head 'colwise' -> S\(0\)\)"):
         fxpar.parallelize(llama(n_layers=2, tie_embeddings=True), fxpar.Mesh({"tp": 2}, fake=True), (tokens,),
                           plan={"embed": "colwise", "lm_head": "colwise"})
+    # replicate on one name gives way to the other's sharding style (HF plans say "replicate" for some embeddings)
+    pm = fxpar.parallelize(llama(n_layers=2, tie_embeddings=True), fxpar.Mesh({"tp": 2}, fake=True), (tokens,),
+                           plan={"embed": "replicate", "lm_head": "colwise"})
+    assert "# embed_weight: f32[128,64]   tp:S(0)" in pm.program(0)
 
 
 @pytest.mark.parametrize(("plan", "message"), [
