@@ -90,7 +90,8 @@ def assign_stages(graph: fx.Graph, starts: list[str]) -> dict[fx.Node, int]:
 
 
 def _writes_state(n: fx.Node) -> bool:
-    """An in-place op (``add_``, ``copy_``) whose effect is the point: nothing reads its result."""
+    """An op that mutates an input (``add_``, ``copy_``): where no user input reaches it, its effect on model state
+    is all it does."""
     target = n.target
     return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 

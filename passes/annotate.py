@@ -24,9 +24,10 @@ def annotate(prog: Program, ctx: Context) -> Program:
     shards inputs on dim 0 and replicates state; ``tp`` applies the plan (replicate otherwise);
     ``ep`` shards HF experts modules' weights on their experts dim (dim 0) and, like dp, the batch;
     ``pp`` replicates everything (each stage is its own program). A weight tied under several names takes the
-    style the plan gives any of its modules (PlanError if two place it differently). Inputs are batch-sharded over
-    dp (and ep) on dim 0 when dim 0 is the batch (the first input's dim 0); other inputs are replicated. A
-    pipeline stage's received values are placed as the previous stage's outputs are (``batch_placements``).
+    style of whichever of its modules the plan shards (PlanError if two shard it differently). Inputs are
+    batch-sharded over dp (and ep) on dim 0 when dim 0 is the batch (the first input's dim 0); other inputs are
+    replicated. A pipeline stage's received values are placed as the previous stage's outputs are
+    (``batch_placements``).
     Raises PlanError for unknown axes, globs that match nothing and unsupported modules,
     ValueError for a parameter dim smaller than its axis and a batch smaller than dp (a rank would be
     empty). A dim its axis does not divide is split as ``fxpar.split`` says (DTensor's split for
