@@ -339,8 +339,8 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
 def _final_reduction(node: fx.Node, cand: Candidate, placed_on: Callable[[fx.Node], Placement | None]) -> float:
     """What completing ``cand``'s partial output costs when every reader needs it complete (0 otherwise)."""
     def completes(user: fx.Node, through: fx.Node = node) -> bool:
-        if user.op == "output" or (is_float_cast(user) and user.users  # mixed precision: the cast back to fp32
-                                   and all(completes(u, user) for u in user.users)):
+        if _only_output_reads(user) or (is_float_cast(user) and user.users  # mixed precision: the cast back to fp32
+                                        and all(completes(u, user) for u in user.users)):
             return True
         others = [a for a in user.all_input_nodes if a is not through]
         return user.target in PARTIAL_SUMS and any(isinstance(placed_on(a), (Replicate, Shard)) for a in others)
@@ -348,6 +348,14 @@ def _final_reduction(node: fx.Node, cand: Candidate, placed_on: Callable[[fx.Nod
     if isinstance(cand.output, Partial) and node.users and all(completes(u) for u in node.users):
         return transition_cost(cand.output, Replicate(), _nbytes(node))
     return 0.0
+
+
+def _only_output_reads(user: fx.Node) -> bool:
+    """``user`` is the program's output, or views of it only the output reads (a parameter's gradient transposed back
+    by cp's weight path: ``t(t(token_contract))``)."""
+    if user.op == "output":
+        return True
+    return user.target in VIEW_LIKE and bool(user.users) and all(_only_output_reads(u) for u in user.users)
 
 
 def _stream_shaped(arg: fx.Node, node: fx.Node) -> bool:

@@ -64,6 +64,26 @@ def test_embedding_gradient_all_gathers_the_stream_not_the_table(tie: bool) -> N
     assert max(r.bytes for r in rows) == tokens.numel() * HIDDEN * 4  # the stream, gathered or scattered whole
 
 
+def test_an_unplanned_head_under_cp_x_tp_is_not_all_reduced_over_tp() -> None:
+    """cp x tp with SP and a replicated ``lm_head``: the head's weight gradient reaches the program's output through
+    transposes (cp's weight path), and a partial sum there must be completed: the head then computes its gradient
+    whole rather than on a tp-sharded batch all-reduced as V x h afterwards (it was: 32,768 B here)."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    from fxpar.models import hf_families
+
+    plan = {"model.layers.*.self_attn.[qkv]_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+            "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.down_proj": "rowwise"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FxparWarning)
+        pm = fxpar.parallelize(hf_families.qwen3(), fxpar.Mesh({"cp": 2, "tp": 2}, fake=True),
+                               hf_families.inputs("qwen3"), plan=fxpar.Plan(tp=plan, sequence_parallel=True))
+    reduced = [r.bytes for r in pm.ledger(0) if r.axis == "tp" and r.op == "all_reduce"]
+    assert reduced and max(reduced) <= hf_families.HIDDEN * 4
+
+
 def test_hf_gpt2_conv1d_plan_runs_sequence_parallel() -> None:
     """HF GPT-2's projections are ``Conv1D`` (a Linear with its weight transposed): their widths name the residual
     stream as a Linear's do, so SP is on (it used to warn and turn itself off). Every boundary reduce-scatters and
