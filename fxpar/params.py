@@ -173,12 +173,23 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
             p = state[fqn]
             if p.is_meta:
                 raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
-            dt = distribute_tensor(p.detach().to(_device(mesh)), pmesh, param_placements(prog, fqn, name))
+            dt = compact(distribute_tensor(p.detach().to(_device(mesh)), pmesh, param_placements(prog, fqn, name)))
             register_param(root, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
     stage_buffers, runners = bind_runners(root, compiled, dict(model.named_buffers()), rank,
                                           non_persistent_buffers(model))
     pp_group = mesh.device_mesh().get_group("pp") if mesh.axes.get("pp", 1) > 1 else None
     return stage_buffers, runners, _tie_groups(compiled, rank), pp_group
+
+
+def compact(dt: DTensor) -> DTensor:
+    """``dt`` with a local piece that holds only its own elements: ``distribute_tensor`` pads a dim that does not
+    divide evenly, scatters, and narrows, so the last rank's smaller piece kept a view of the padded buffer (more
+    storage than ``pm.memory`` counts, and than the piece needs)."""
+    local = dt._local_tensor
+    if local.untyped_storage().nbytes() <= local.numel() * local.element_size():
+        return dt
+    return DTensor.from_local(local.clone(), dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
+                              stride=dt.stride())
 
 
 def bind_runners(root: torch.nn.Module, compiled: Compiled, buffers: dict[str, torch.Tensor], rank: int,

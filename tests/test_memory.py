@@ -62,6 +62,17 @@ def test_prediction_equals_local_storage_after_a_real_step() -> None:
         assert mem.buffers == r["buffers"] > 0  # the module's copies of the rotary tables
 
 
+def test_a_piece_tp_splits_unevenly_holds_only_its_own_elements() -> None:
+    """Intermediate 101 on tp=2 splits 51 / 50: the second rank's pieces of the MLP weights held a view of a padded
+    51-row buffer (``distribute_tensor`` pads, scatters and narrows), more than ``pm.memory`` counts."""
+    model = partial(llama, intermediate=101, bias=True)
+    results = default_pool().run(measured_memory, 2, model, {"tp": 2}, llama_plan(), TOKENS, next_token_loss,
+                                 timeout=300)
+    assert results[0]["params"] > results[1]["params"]  # the uneven piece is smaller
+    for r in results:
+        assert (r["predicted"].params, r["predicted"].grads) == (r["params"], r["grads"])
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_frozen_parameters_hold_no_optimizer_state(zero: int) -> None:
     """AdamW keeps no state for a parameter that never gets a gradient; ``optimizer`` counted one for each."""
