@@ -155,6 +155,9 @@ def _check_expert(plan: Plan, axes: dict[str, int], have: str) -> None:
     for name, value in (("fp8", plan.fp8), ("sequence_parallel", plan.sequence_parallel)):
         if value:
             raise PlanError(f"Plan({name}={value!r}) with an ep axis ({have}) is not supported yet")
+    if plan.compile:  # the all-to-all's split sizes are read from the routing counts: Inductor compiles static shapes
+        raise PlanError(f"Plan(compile=True) with an ep axis ({have}) is not supported yet: the expert all-to-alls' "
+                        "sizes depend on the routing, which Inductor's static-shape graphs cannot read")
 
 
 def _check_context(plan: Plan, axes: dict[str, int], have: str) -> None:

@@ -226,6 +226,7 @@ def test_pipeline_with_dp_and_ep_matches_single_device() -> None:
 @pytest.mark.parametrize("axes,plan,match", [
     ({"cp": 2, "ep": 2}, None, "ep axis with 'cp'"),
     ({"dp": 2, "ep": 2}, fxpar.Plan(fp8="tensorwise"), r"Plan\(fp8='tensorwise'\) with an ep axis"),
+    ({"ep": 2}, fxpar.Plan(compile=True), r"Plan\(compile=True\) with an ep axis"),  # crashed in Inductor at step 1
 ])
 def test_what_ep_does_not_compose_with_yet(axes: dict[str, int], plan: object, match: str) -> None:
     with pytest.raises(fxpar.PlanError, match=match):
