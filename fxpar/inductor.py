@@ -68,8 +68,14 @@ def _explain(e: BaseException, gm: fx.GraphModule, where: str) -> str:
 
 
 def _node_named(text: str, gm: fx.GraphModule) -> fx.Node | None:
-    """The graph node the compiler's message names (``%mm_3``, ``node mm_3``, ``buf = mm_3``), if any."""
+    """The graph node the compiler's message names, if any: the node fx's interpreter was running
+    (``While executing %mm_3``, which Inductor's lowering errors end with), else the first node name in the text
+    besides the op names of ``target:`` lines (``aten.mm.default`` would name the graph's first ``mm``)."""
     names = {n.name: n for n in gm.graph.nodes}
+    executing = re.findall(r"While executing %([A-Za-z_][A-Za-z0-9_]*)", text)
+    if executing and executing[-1] in names:
+        return names[executing[-1]]
+    text = re.sub(r"\b(?:aten|prims|_c10d_functional|c10d|fxpar)\.[\w.]+", " ", text)
     for word in re.findall(r"%?([A-Za-z_][A-Za-z0-9_]*)", text):
         if word in names and names[word].op == "call_function":
             return names[word]

@@ -57,6 +57,26 @@ def test_a_compiler_failure_names_the_rank_graph_and_node(monkeypatch: pytest.Mo
         run(torch.randn(2, 2), torch.randn(2, 2))
 
 
+def test_a_lowering_failure_names_the_node_being_executed_not_the_first_of_its_op(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's lowering errors name the op (``target: aten.mm.default``) and end with the node fx was running:
+    that node is the one named, not the graph's first ``mm``."""
+    def f(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.mm(torch.mm(a, b), b).relu(),)
+
+    gm = fx.symbolic_trace(f)
+    gm.graph.eliminate_dead_code()
+    second = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.mm][-1]
+
+    def fails(gm: fx.GraphModule, args: list[torch.Tensor]) -> None:
+        raise RuntimeError(f"LoweringException: NotImplementedError: no lowering\n  target: aten.mm.default\n"
+                           f"  args[0]: TensorBox(...)\n\nWhile executing {second.format_node()}")
+
+    monkeypatch.setattr("fxpar.inductor.compile_fx", fails)
+    with pytest.raises(InductorError, match=rf"\n  at node {second.name}:"):
+        compiled_graph(gm, "rank 0 stage 0 forward")(torch.randn(2, 2), torch.randn(2, 2))
+
+
 def test_compiled_graph_returns_what_the_graph_returns() -> None:
     def f(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.mm(a, b).relu(), a * 2 + b
