@@ -102,6 +102,19 @@ def test_a_gradient_at_the_rounding_floor_may_move_its_parameter_but_a_wrong_upd
     assert_equivalent(hf_clip, {"dp": 2}, fxpar.Plan(zero=3), clip_batch(), loss_fn=model_loss, steps=2)
 
 
+def test_a_complex_value_is_compared_with_its_imaginary_part() -> None:
+    """A complex buffer or output off only in its imaginary part (a conjugated rotary table) is a mismatch: the
+    comparison cast both sides to float64, which keeps the real part only."""
+    from fxpar.testing.equivalence import RankReport, _compare
+    from fxpar.testing.tolerance import default_tolerance
+
+    want = torch.polar(torch.ones(8), torch.linspace(0.1, 1.5, 8))
+    for got, flagged in ((want.clone(), False), (want.conj(), True)):
+        report = RankReport(0)
+        _compare("freqs_cis", got, want, 0, default_tolerance(torch.float32), report)
+        assert bool(report.mismatches) == flagged, report.mismatches
+
+
 def test_tolerance_follows_the_least_precise_dtype_of_the_plan_and_the_model() -> None:
     """Gradients reduced in bf16 (``reduce_dtype`` without ``param_dtype``, as FSDP2 allows) were judged at fp32
     tolerance: false mismatches. The tolerance is for the least precise of ``param_dtype``, ``reduce_dtype`` and the

@@ -53,7 +53,7 @@ from fxpar.testing.shards import (
     rank_batch_weight,
     shard_of,
 )
-from fxpar.testing.tolerance import ADAM_EPS, Tolerance, adam_sensitivity, default_tolerance
+from fxpar.testing.tolerance import ADAM_EPS, Tolerance, adam_sensitivity, as_float64, default_tolerance
 
 ModelFn = Callable[[], torch.nn.Module]
 LossFn = Callable[[Any], torch.Tensor]
@@ -415,7 +415,7 @@ def _local_pair(got: torch.Tensor | None, want: torch.Tensor | None, coord: tupl
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor, step: int, tol: Tolerance, report: RankReport,
              absolute: bool = False, extra_atol: torch.Tensor | None = None) -> None:
-    got, want = got.detach().double(), want.detach().double()
+    got, want = as_float64(got), as_float64(want)
     report.compared += 1
     if got.shape != want.shape:
         report.mismatches.append(Mismatch(f"{name} (shape {tuple(got.shape)}, expected {tuple(want.shape)})",

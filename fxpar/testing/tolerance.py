@@ -78,3 +78,10 @@ def adam_sensitivity(grad: torch.Tensor, difference: torch.Tensor) -> torch.Tens
     where it sits at the rounding floor (a key projection's bias, whose exact gradient is zero: softmax ignores a
     shift of every score) a difference of 3e-8 moves the element 0.03 ``lr``, past the 2% of ``lr`` allowed."""
     return (difference * ADAM_EPS / (grad.abs() + ADAM_EPS) ** 2).clamp(max=2.0)
+
+
+def as_float64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 for comparing; a complex tensor as its real and imaginary parts (``.double()`` would drop
+    the imaginary part)."""
+    t = t.detach()
+    return torch.view_as_real(t.resolve_conj()).double() if t.is_complex() else t.double()
