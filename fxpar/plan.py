@@ -45,7 +45,9 @@ class Plan:
     ``param_dtype`` / ``reduce_dtype``: mixed precision with FSDP2's ``MixedPrecisionPolicy`` semantics
     (``fxpar.mixed_precision``): parameters and optimizer state keep their own dtype, each module computes
     on copies of its parameters cast to ``param_dtype`` (floating inputs are cast too), and gradients are
-    reduced in ``reduce_dtype`` (default: ``param_dtype``) and handed over in the parameter's dtype.
+    reduced over the batch axes (dp, cp, ep) in ``reduce_dtype`` (default: ``param_dtype``) and handed over in
+    the parameter's dtype; a tp partial sum (a norm weight's gradient under SP) is reduced in the dtype it is
+    computed in, as DTensor's tensor parallelism under FSDP2's policy.
     ``compile``: each rank's graphs run compiled by Inductor (``fxpar.inductor``).
     The remaining fields are part of the API and refused with a clear error until implemented.
     """
