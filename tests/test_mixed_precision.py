@@ -81,6 +81,16 @@ def test_zero3_gathers_bf16_and_reduces_in_reduce_dtype() -> None:
                for r in _compile({"dp": 2}, **MIXED).ledger(0) if r.axis == "dp")
 
 
+def test_zero3_gathers_a_tied_table_once_per_forward() -> None:
+    """The tied table is cast twice (embedding, head): both casts are served by one gather in the root's flat bucket
+    (each cast was gathered on its own, and the root's other parameters apart from it)."""
+    model = llama(n_layers=2, tie_embeddings=True)
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (TOKENS,), plan=fxpar.Plan(zero=3, **MIXED),
+                           loss_fn=next_token_loss, example_targets=TOKENS)
+    fwd = [r for r in pm.ledger(0) if r.axis == "dp" and r.op == "all_gather" and r.phase == "fwd"]
+    assert sum(r.bytes for r in fwd) == 2 * sum(p.numel() for p in model.parameters()) and len(fwd) <= 2 + 2
+
+
 def test_memory_formula_under_zero3() -> None:
     # fp32 master weights, fp32 gradients, two fp32 Adam moments: (4 + 4 + 8) Psi / N; the bf16 working copies
     # are gathered inside the graphs (transient) or saved for the backward (activations)

@@ -71,7 +71,8 @@ class FlatBuckets:
 
     def cast_weights(self) -> dict[str, tuple[str, str]]:
         """ZeRO-3 under mixed precision: the cast node of each weight cast on its shard -> (fqn, placeholder), for
-        weights with one placeholder and one cast (a tied weight keeps its own gathers)."""
+        weights with one placeholder read whose casts are placed alike (a tied table read by the embedding and the head
+        is cast twice: one gather serves both)."""
         if self._cast_weights is None:
             self._cast_weights = {}
             dtype = self.prog.notes.get("mixed_precision", (None, None))[0]
@@ -79,12 +80,13 @@ class FlatBuckets:
             for f, name in self.prog.signature.params:
                 names.setdefault(f, []).append(name)
             for fqn in self.prog.notes.get("cast_gather", ()):
-                if len(names[fqn]) != 1:
+                read = [n for name in names[fqn] if (n := self.prog.node(name)).users]  # a tied table: one is read
+                if len(read) != 1:
                     continue
-                node = self.prog.node(names[fqn][0])
+                node = read[0]
                 casts = [u for u in node.users if u.target is aten._to_copy.default and u.kwargs.get("dtype") is dtype]
-                if len(casts) == 1:
-                    self._cast_weights[casts[0].name] = (fqn, node.name)
+                if casts and len({self.prog.placements[c.name] for c in casts}) == 1:
+                    self._cast_weights.update((c.name, (fqn, node.name)) for c in casts)
         return self._cast_weights
 
     def gathered_cast(self, producer: str, dst: tuple, steps: tuple) -> fx.Node | None:
@@ -96,23 +98,29 @@ class FlatBuckets:
         if len(steps) != 1 or steps[0].op != "all_gather" or steps[0].axis != "dp":
             return None
         fqn = self.cast_weights()[producer][0]
-        by_fqn = {f: c for c, (f, _) in self.cast_weights().items()}
-        bucket = next((b for b in self.zero_buckets(list(by_fqn)) if fqn in b), [fqn])
-        if len(bucket) < 2:
+        casts_of: dict[str, list[str]] = {}
+        for cast_name, (f, _) in self.cast_weights().items():
+            casts_of.setdefault(f, []).append(cast_name)
+        bucket = next((b for b in self.zero_buckets(list(casts_of)) if fqn in b), [fqn])
+        if len(bucket) < 2 and len(casts_of[fqn]) < 2:
             return None
         ax = self.mesh.axis_index("dp")
         for f in bucket:
-            cast = self.prog.node(by_fqn[f])
-            if cast.name not in self.env:  # lowered here, ahead of its place (``call`` then skips it)
-                shard = self.shards[self.cast_weights()[cast.name][1]]
-                self.env[cast.name] = self.emit(aten._to_copy.default, (shard,), dict(cast.kwargs),
-                                                placements=self.prog.placements[cast.name], module=f, name=cast.name)
-        pieces = self.gather_bucket([(f, self.env[by_fqn[f]]) for f in bucket])
+            first = self.prog.node(casts_of[f][0])
+            if first.name not in self.env:  # lowered here, ahead of its place (``call`` then skips it)
+                shard = self.shards[self.cast_weights()[first.name][1]]
+                self.env[first.name] = self.emit(aten._to_copy.default, (shard,), dict(first.kwargs),
+                                                 placements=self.prog.placements[first.name], module=f,
+                                                 name=first.name)
+            for other in casts_of[f][1:]:  # the same values: one cast, one gather
+                self.env.setdefault(other, self.env[first.name])
+        pieces = self.gather_bucket([(f, self.env[casts_of[f][0]]) for f in bucket])
         for f, piece in pieces.items():
-            placed = list(self.prog.placements[by_fqn[f]])
+            placed = list(self.prog.placements[casts_of[f][0]])
             placed[ax] = steps[0].dst
             piece.meta["placements"] = tuple(placed)
-            self.cache[(by_fqn[f], tuple(placed))] = piece
+            for cast_name in casts_of[f]:
+                self.cache[(cast_name, tuple(placed))] = piece
         return self.cache.get((producer, dst))
 
     def _bucket_name(self, fqns: list[str]) -> str:
