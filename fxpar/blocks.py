@@ -337,6 +337,8 @@ def _fake_run(module: torch.nn.Module, forward: Callable[..., Any], fake_mode: A
     for x in leaves:
         if isinstance(x, torch.Tensor) and any(x is c for c in copies.values()):
             raise NotShared("a block returns one of its inputs")
+        if isinstance(x, torch.Tensor) and x._version > 0:  # functionalization names the whole model's reads of
+            raise NotShared("a block returns a tensor it wrote in place")  # it apart from a stitched block's
         if not isinstance(x, (torch.Tensor, *PLAIN)):
             raise NotShared(f"a block returns a {type(x).__name__}")
     return leaves, spec, reads

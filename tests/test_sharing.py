@@ -167,6 +167,21 @@ def test_a_block_called_several_times_is_traced_whole_on_a_pipeline_too(monkeypa
     assert programs[True] == programs[False]
 
 
+def test_a_block_returning_a_tensor_it_wrote_in_place_is_traced_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``x = x.clone(); x.add_(h); return x``: the whole-model trace reads the written output through
+    functionalization (one more ``view`` name, the head's ``t``/``view`` in another order); sharing printed another
+    program. Such a block is now captured whole, as sharing off does."""
+    from fxpar.testing.block_models import WritesItsOutput
+
+    programs, reasons = {}, {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(WritesItsOutput, {"dp": 2}, TOKENS, fxpar.Plan(zero=1))
+            programs[on], reasons[on] = pm.program(0), pm_reason(pm)
+    assert programs[True] == programs[False]
+    assert "wrote in place" in reasons[True]
+
+
 def test_sharing_escape_hatch_traces_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``FXPAR_SHARING=0`` captures the whole model and lowers every rank on its own."""
     with sharing(False, monkeypatch):

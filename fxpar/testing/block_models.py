@@ -220,3 +220,35 @@ class CalledTwice(nn.Module):
         for layer in self.layers[2:]:
             x = layer(x)
         return self.head(x)
+
+
+class _WritesItsOutput(nn.Module):
+    """A residual block that adds in place to a clone of its input and returns it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(self.norm(x))
+        x = x.clone()
+        x.add_(torch.relu(h))
+        return x
+
+
+class WritesItsOutput(nn.Module):
+    """Four blocks whose output is written in place (``x.clone().add_(...)``): the whole-model trace names and orders
+    the head's reads of it as a stitched block's output is not."""
+
+    def __init__(self, width: int = 16, vocab: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(_WritesItsOutput(width) for _ in range(4))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
