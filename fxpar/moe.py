@@ -23,6 +23,7 @@ rank, so the two compute the same sums per expert row.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -278,15 +279,18 @@ def experts_as_ops(model: torch.nn.Module, ep: int) -> Iterator[None]:
         yield
     finally:
         for _, module in experts:
-            del module.forward
+            del module.forward, module._fxpar_activation
 
 
-def experts_forward(module: torch.nn.Module):  # noqa: ANN201  (a bound forward)
-    """The forward capture traces for an HF experts module on an ep mesh: one ``moe_experts`` call."""
-    act = activation_name(module.act_fn)
+def experts_forward(module: torch.nn.Module) -> types.MethodType:
+    """The forward capture traces for an HF experts module on an ep mesh: one ``moe_experts`` call. One function
+    bound to each module (not a closure per module), so identical layers keep one structure and are traced once
+    (``fxpar.blocks.structure_key``)."""
+    module._fxpar_activation = activation_name(module.act_fn)  # named now: a traced block's class is a subclass
+    return types.MethodType(_experts_as_op, module)
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        return moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, act)
 
-    return forward
+def _experts_as_op(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+    return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                       self._fxpar_activation)

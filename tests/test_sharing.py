@@ -58,6 +58,7 @@ MIXED = [
     ("gemma2_alternating", mixed.gemma2_alternating, {"dp": 2}, None, 4, 2),
     ("qwen3_moe_mixed", mixed.qwen3_moe_mixed, {"dp": 2}, None, 4, 2),
     ("mixtral", hf_families.mixtral, {"dp": 2}, None, 2, 1),
+    ("mixtral_ep", hf_families.mixtral, {"dp": 2, "ep": 2}, None, 2, 1),  # each layer was its own capture
     ("llama_wide_layers", functools.partial(mixed.llama_wide_layers, **SMALL), {"dp": 2, "tp": 2}, llama_plan(), 4, 2),
 ]
 
