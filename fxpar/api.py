@@ -15,6 +15,7 @@ from fxpar.compiled import Compiled, compile_model
 from fxpar.gc_pause import without_gc_pauses
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan, check_axes
+from fxpar.rank_agreement import check_ranks_agree
 from fxpar.runtime import ParallelModule
 from fxpar.verify import verify
 
@@ -49,6 +50,8 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     with one_call(model):  # a plan search and the final compile capture the model once
         plan = resolve_plan_arg(plan, model, mesh, example_inputs, cluster, loss_fn)
         compiled = compile_program(model, mesh, example_inputs, plan, loss_fn=loss_fn)
+    if rank is not None and mesh.size > 1:
+        check_ranks_agree(compiled)  # before any rank runs a collective of it
     pm = ParallelModule(compiled, model, rank, loss_fn=loss_fn, example_inputs=example_inputs)
     pm.proof = verify(pm)  # what the collective-order proof checked (ranks, roles, groups, events)
     return pm

@@ -69,6 +69,13 @@ def test_mesh_size_differs_from_world_size() -> None:
         assert re.search(r"\b4 ranks\b", msg) and re.search(r"world size is 2\b", msg), msg
 
 
+def test_ranks_whose_models_trace_differently_are_refused_before_running() -> None:
+    """Rank 1's model centers over the batch (an extra dp all-reduce in its forward), rank 0's does not: their
+    collectives would have paired wrongly. Every rank now refuses at ``parallelize``, naming rank 1."""
+    for msg in default_pool().run(error_models.ranks_that_trace_differently, 2, timeout=120):
+        assert msg.startswith("VerifyError: ranks [1] compiled programs whose collectives differ"), msg
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
 def test_cuda_mesh_without_a_gpu_is_a_clear_error() -> None:
     # tracing CUDA kernels without a GPU used to abort the process inside torch (c10::Error, no Python traceback)

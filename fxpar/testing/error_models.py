@@ -115,6 +115,30 @@ def mesh_size_mismatch(axes: dict[str, int]) -> str:
     return "no error"
 
 
+class RankDependent(nn.Module):
+    """Centers its output over the batch on rank 1 only (code that branches on the process): rank 1's program
+    all-reduces over dp in the forward, rank 0's does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h - h.mean(0, keepdim=True) if dist.get_rank() == 1 else h
+
+
+def ranks_that_trace_differently() -> str:
+    """Rank body: parallelize ``RankDependent`` on dp=2; return the error text."""
+    import fxpar
+
+    try:
+        fxpar.parallelize(RankDependent(), fxpar.Mesh({"dp": dist.get_world_size()}), (torch.randn(8, 16),))
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def die_before_first_forward(dying_rank: int) -> str:
     """Rank body: compile the MLP on tp=2; ``dying_rank`` exits hard just before the first forward while
     the others run a training step, whose collectives then have no peer."""
