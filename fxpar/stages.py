@@ -291,6 +291,9 @@ def _balanced_cuts(costs: list[float], k: int) -> list[int]:
 def resolve_starts(model: torch.nn.Module, stages: list[str] | tuple[str, ...]) -> list[str]:
     """Validate user split paths against the model's modules (with close-match hints)."""
     paths = [name for name, _ in model.named_modules() if name]
+    repeated = sorted({p for p in stages if list(stages).count(p) > 1}, key=str)
+    if repeated:
+        raise PlanError(f"stage split path {repeated[0]!r} is listed more than once: each path starts one stage")
     for p in stages:
         if not isinstance(p, str) or p not in paths:
             hint = close_matches(str(p), paths)
@@ -322,6 +325,9 @@ def _check_nonempty(stage: dict[fx.Node, int], starts: list[str], n: int) -> Non
     counts = [0] * n
     for s in stage.values():
         counts[s] += 1
+    if n > 1 and counts[0] == 0:
+        raise PlanError(f"stage 0 computes nothing: the first split path {starts[0]!r} is where the model's "
+                        "computation begins; name the module that starts the second stage")
     for s in range(1, n):
         if counts[s] == 0:
             raise PlanError(f"stage {s} (starting at {starts[s - 1]!r}) computes nothing from the model's inputs: "

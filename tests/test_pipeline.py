@@ -322,6 +322,16 @@ def test_split_path_that_matches_no_module() -> None:
         _compile(fxpar.Plan(stages=["layer.2"]), {"pp": 2})
 
 
+@pytest.mark.parametrize(("stages", "pp", "message"), [
+    # a stage holding nothing compiled; the user's optimizer then failed on an empty parameter list
+    (["embed"], 2, r"stage 0 computes nothing: the first split path 'embed' is where the model's computation begins"),
+    (["layers.1", "layers.1", "layers.3"], 4, r"'layers.1' is listed more than once"),
+])
+def test_split_paths_that_leave_a_stage_empty(stages: list[str], pp: int, message: str) -> None:
+    with pytest.raises(fxpar.PlanError, match=message):
+        _compile(fxpar.Plan(stages=stages), {"pp": pp})
+
+
 def test_microbatches_not_dividing_the_local_batch() -> None:
     with pytest.raises(fxpar.PlanError, match=r"microbatches=3 does not divide the local batch: .* 4 per rank"):
         _compile(fxpar.Plan(microbatches=3), {"pp": 2, "dp": 2})
