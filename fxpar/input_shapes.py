@@ -36,17 +36,22 @@ def local_input_shapes(compiled: Compiled, rank: int) -> LocalShapes:
 
 
 def check_local_inputs(shapes: LocalShapes, flat: list[Any], microbatches: int, rank: int, dp: int,
-                       call: str) -> None:
+                       call: str, device: str | None = None) -> None:
     """Raise ``ValueError`` naming the first tensor input of ``flat`` whose shape is not what ``rank``'s program
-    takes (``microbatches`` of them along dim 0 for ``pm.step``), or that is floating where the program takes
-    integers or the other way round (float token ids failed inside the rank program, in torch's embedding)."""
+    takes (``microbatches`` of them along dim 0 for ``pm.step``), that is floating where the program takes
+    integers or the other way round (float token ids failed inside the rank program, in torch's embedding), of
+    another floating dtype, or on another device than ``device`` (both failed inside the rank program)."""
     for i, per_microbatch, dtype in shapes:
         x = flat[i] if i < len(flat) else None
         if not isinstance(x, torch.Tensor):
             continue
-        if x.dtype.is_floating_point != dtype.is_floating_point or (x.dtype == torch.bool) != (dtype == torch.bool):
+        if x.dtype.is_floating_point != dtype.is_floating_point or (x.dtype == torch.bool) != (dtype == torch.bool) \
+                or (dtype.is_floating_point and x.dtype != dtype):  # integer widths may differ (token ids)
             raise ValueError(f"{call}: input {i} has dtype {x.dtype}, but rank {rank}'s program was compiled for "
                              f"{dtype} (the dtype example_inputs had)")
+        if device is not None and x.device.type != device:
+            raise ValueError(f"{call}: input {i} is on device {x.device}, but rank {rank}'s program runs on "
+                             f"{device} (the mesh's device)")
         want = (per_microbatch[0] * microbatches, *per_microbatch[1:]) if per_microbatch else ()
         if tuple(x.shape) != want:
             share = (f"its share of the batch over dp={dp} (dim 0; example_inputs hold the global batch, and each "
@@ -68,4 +73,5 @@ class InputCheck:
         if self.shapes is None:
             self.shapes = local_input_shapes(c, self.rank)
         microbatches = c.microbatches if call == "pm.step" else 1
-        check_local_inputs(self.shapes, flat, microbatches, self.rank, c.mesh.axes.get("dp", 1), call)
+        check_local_inputs(self.shapes, flat, microbatches, self.rank, c.mesh.axes.get("dp", 1), call,
+                           c.mesh.device)

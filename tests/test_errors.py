@@ -69,6 +69,35 @@ def test_mesh_size_differs_from_world_size() -> None:
         assert re.search(r"\b4 ranks\b", msg) and re.search(r"world size is 2\b", msg), msg
 
 
+class _CreatesItsParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache = x.detach()  # a tensor attribute the code rebinds: put back after tracing
+        if not hasattr(self, "scale"):
+            self.scale = nn.Parameter(torch.ones(16))
+        return self.fc(x) * self.scale
+
+
+def test_a_parameter_created_in_forward_is_refused_and_the_model_left_as_it_was() -> None:
+    """It stayed on the user's model as a fake tensor (the model's own calls then returned fake tensors) and the
+    program read it as a constant, never trained."""
+    model = _CreatesItsParameter()
+    with pytest.raises(fxpar.CaptureError, match=r"creates parameters while it runs \(scale\)"):
+        fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(4, 16),))
+    assert not hasattr(model, "scale") and model.cache is None
+    assert type(model(torch.randn(2, 16))) is torch.Tensor  # noqa: E721 - a plain tensor, not a fake one
+
+
+def test_an_uninitialized_lazy_module_is_refused_by_name() -> None:
+    model = nn.Sequential(nn.LazyLinear(16), nn.ReLU())
+    with pytest.raises(fxpar.CaptureError, match=r"'0.weight' is uninitialized .* run the model once"):
+        fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (torch.randn(4, 8),))
+
+
 def test_ranks_whose_models_trace_differently_are_refused_before_running() -> None:
     """Rank 1's model centers over the batch (an extra dp all-reduce in its forward), rank 0's does not: their
     collectives would have paired wrongly. Every rank now refuses at ``parallelize``, naming rank 1."""
@@ -299,6 +328,10 @@ def test_stray_arguments_and_inputs_needing_grad_are_refused_by_name() -> None:
     assert out["extra_step"].startswith("TypeError: pm.step(inputs..., targets) got 3 arguments")
     assert out["grad_input"].startswith("ValueError: model input 0 requires grad, but fxpar computes gradients of the "
                                         "model's parameters only")
+    # both failed inside the rank program (a dtype mismatch in mm; torch's device check)
+    assert out["double"] == ("ValueError: pm(...): input 0 has dtype torch.float64, but rank 0's program was "
+                             "compiled for torch.float32 (the dtype example_inputs had)"), out["double"]
+    assert out["meta"].startswith("ValueError: pm(...): input 0 is on device meta, but rank 0's program runs on cpu")
 
 
 def test_rank_dies_mid_step() -> None:

@@ -196,8 +196,8 @@ def call_with_the_global_batch(how: str) -> str:
 
 def misused_calls() -> dict[str, str]:
     """Rank body: a Sequential compiled on dp=2, then called wrongly; the message each mistake gets (``"ran"`` where
-    none was raised): an extra argument after the inputs (``pm``) or after the targets (``pm.step``), and an input
-    that requires grad (it would get no gradient)."""
+    none was raised): an extra argument after the inputs (``pm``) or after the targets (``pm.step``), an input
+    that requires grad (it would get no gradient), one of another floating dtype and one on another device."""
     import fxpar
 
     torch.manual_seed(0)
@@ -205,7 +205,8 @@ def misused_calls() -> dict[str, str]:
     pm = fxpar.parallelize(sequential(), fxpar.Mesh({"dp": 2}), (x,), loss_fn=mean_square)
     local = x.chunk(2)[dist.get_rank()]
     calls = {"extra_call": lambda: pm(local, local), "extra_step": lambda: pm.step(local, None, local),
-             "grad_input": lambda: pm(local.clone().requires_grad_())}
+             "grad_input": lambda: pm(local.clone().requires_grad_()), "double": lambda: pm(local.double()),
+             "meta": lambda: pm(local.to("meta"))}
     out = {}
     for name, call in calls.items():
         try:
