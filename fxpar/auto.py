@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: 
 
     Mixed precision (bf16 on GPU clusters) applies only to a CUDA mesh. On a launched mesh every rank must
     choose the same plan: with ``collective`` (every rank calls this) the cluster (measured on rank 0 when not
-    given) is broadcast before the search, which is deterministic given it.
+    given) is broadcast before the search, and rank 0's choice after it (the search stops confirming candidates
+    after ``budget_s`` seconds, so a rank slower than another could choose differently).
     """
     if collective:  # every rank of a launched mesh calls this: they must all cost on the same numbers
         cluster = _shared(cluster, mesh)
@@ -44,9 +46,31 @@ def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: 
     fixed: dict[str, Any] = {axis: mesh.axes.get(axis, 1) for axis in MESH_AXES}
     if mesh.device != "cuda":  # a CPU mesh computes in the model's own dtype, eagerly, whatever the cluster costed
         fixed.update(param_dtype=None, compile=False)
-    best = search(model, example_inputs, cluster, loss_fn=loss_fn, fixed=fixed, top=3)[0]
-    why = "\n    ".join(best.explain().splitlines())
-    return dataclasses.replace(best.plan, notes={"auto": why})
+
+    def choose() -> Plan:
+        best = search(model, example_inputs, cluster, loss_fn=loss_fn, fixed=fixed, top=3)[0]
+        why = "\n    ".join(best.explain().splitlines())
+        return dataclasses.replace(best.plan, notes={"auto": why})
+
+    return _rank0_choice(choose, mesh) if collective else choose()
+
+
+def _rank0_choice(choose: Callable[[], Plan], mesh: Mesh) -> Plan:
+    """On a launched mesh, rank 0's ``choose()`` on every rank (each rank runs it, so all wait alike); what rank 0
+    raised is raised on every rank."""
+    import torch.distributed as dist
+
+    if mesh.fake or not dist.is_initialized():
+        return choose()
+    try:
+        box: list[Any] = [(choose(), None)]
+    except Exception as e:  # noqa: BLE001 - rank 0's is raised below on every rank
+        box = [(None, e)]
+    dist.broadcast_object_list(box, src=0)
+    plan, error = box[0]
+    if error is not None:
+        raise error
+    return plan
 
 
 def _shared(cluster: Cluster | None, mesh: Mesh) -> Cluster | None:

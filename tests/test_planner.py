@@ -392,7 +392,16 @@ def test_search_errors_name_the_field_or_the_memory() -> None:
 # --- plan="auto" on real gloo ranks ------------------------------------------------------------------------------
 
 def _auto_on_rank() -> str:
-    """One rank of a launched tp=2 mesh: the cluster is measured, rank 0's numbers are broadcast, the plan chosen."""
+    """One rank of a launched tp=2 mesh: the cluster is measured, rank 0's numbers are broadcast, the plan chosen.
+    Rank 1's search ranks its candidates the other way round, as a rank whose confirm step ran out of its time
+    budget sooner might: rank 0's choice is every rank's."""
+    import torch.distributed as dist
+
+    import fxpar.auto
+
+    if dist.get_rank() == 1:
+        search = fxpar.auto.search
+        fxpar.auto.search = lambda *a, **k: search(*a, **k)[::-1]
     pm = fxpar.parallelize(_hf_llama(), fxpar.Mesh({"tp": 2}), (TOKENS,), plan="auto")
     pm(TOKENS)
     return str(pm.plan).splitlines()[0]
