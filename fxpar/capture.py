@@ -42,6 +42,7 @@ from fxpar.simplify import (
 )
 from fxpar.source import _clean_module_path, user_source
 from fxpar.split import CONTEXT_AXIS
+from fxpar.state_guard import model_state_unchanged, uninitialized
 from fxpar.stitch import Blocks, Captures, name_as_whole, stitch, without_onednn
 from fxpar.token_rows import token_rows_unflattened
 from fxpar.trace_errors import explain_trace_failure
@@ -122,13 +123,14 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     the blocks' own parameters and buffers stay out of the export (``Exported.detached``; only for a graph that is
     captured whole, not split into pipeline stages: a stage's split reads the parameters its graph holds).
     """
+    uninitialized(model)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_state = _fake_state(model, fake_mode, mesh.device)
     fake_args = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, fake_mode, mesh.device), example_inputs)
 
     @contextmanager
     def tracing() -> Iterator[None]:
-        with swapped_in(model, fake_state), \
+        with model_state_unchanged(model), swapped_in(model, fake_state), \
                 experts_as_ops(model, mesh.axes.get("ep", 1)), computing_in(model, param_dtype):
             yield
 
@@ -245,11 +247,24 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.Expor
         with without_kv_cache(model), _meta_failures_unlogged():
             ep = torch.export.export(model, args, strict=False)
         token_rows_unflattened(ep.graph_module)
-        return ep
     except NotShared:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a CaptureError
         raise CaptureError(explain_trace_failure(model, e)) from e
+    _refuse_own_collectives(ep.graph_module.graph)
+    return ep
+
+
+def _refuse_own_collectives(graph: fx.Graph) -> None:
+    """A collective the model's code issues itself (``dist.all_reduce``) is a ``CaptureError`` at its line: fxpar
+    places every collective from the plan, and lowering had failed on it with an internal assertion."""
+    for node in graph.nodes:
+        namespace = getattr(node.target, "namespace", "")
+        if node.op == "call_function" and namespace in ("_c10d_functional", "c10d") and "wait" not in str(node.target):
+            where = user_source(node.meta.get("stack_trace"))
+            raise CaptureError(f"the model issues its own collective ({node.target.__name__}"
+                               f"{' at ' + where if where else ''}): fxpar inserts every collective itself, from the "
+                               "plan; run that code only outside fxpar")
 
 
 class _MetaFailureFilter(logging.Filter):
