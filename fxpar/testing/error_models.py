@@ -139,6 +139,31 @@ def ranks_that_trace_differently() -> str:
     return "no error"
 
 
+class OwnCollective(nn.Module):
+    """Sums its hidden state over the ranks itself (``dist.all_reduce``), as code written for DDP-style scripts may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if dist.is_initialized():
+            dist.all_reduce(h)
+        return h
+
+
+def own_collective() -> str:
+    """Rank body: parallelize ``OwnCollective`` on dp=2; return the error text."""
+    import fxpar
+
+    try:
+        fxpar.parallelize(OwnCollective(), fxpar.Mesh({"dp": dist.get_world_size()}), (torch.randn(8, 16),))
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def die_before_first_forward(dying_rank: int) -> str:
     """Rank body: compile the MLP on tp=2; ``dying_rank`` exits hard just before the first forward while
     the others run a training step, whose collectives then have no peer."""
