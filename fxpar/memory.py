@@ -99,6 +99,7 @@ def predict(c: Compiled, rank: int) -> Memory:
     whole_grads: dict[int, int] = {}  # per stage: bytes of one backward's unreduced gradients of dp shards
     saved: dict[int, int] = {}
     stash: dict[int, int] = {}  # per stage whose backward runs as halves: what W reads from B
+    shared: dict[int, int] = {}  # of it, what B also sends (counted with the send, freed when both are done)
     kept: dict[int, _Boundary] = {}
     halves = backward_halves(c, rank)
     transient = 0
@@ -127,7 +128,7 @@ def predict(c: Compiled, rank: int) -> Memory:
         grads_at = [idx - prog.signature.num_outputs for _, idx in prog.signature.grads]
         if s in halves:  # B, then W reading B's stash (``fxpar.rank_step.backward_halves``)
             b, w = c.stage_graph(rank, s, "backward_b"), c.stage_graph(rank, s, "backward_w")
-            stash[s] = stash_bytes(b, len(prog.signature.input_grads))
+            stash[s], shared[s] = stash_bytes(b, len(prog.signature.input_grads))
             fresh = _fresh_grads(c, w, [p - len(prog.signature.input_grads) for p in grads_at])
             backward_end = max(largest_live_set(b), largest_live_set(w, output_excess=True) + unreduced + fresh)
         else:
@@ -135,7 +136,7 @@ def predict(c: Compiled, rank: int) -> Memory:
             backward_end = largest_live_set(rp.backward, output_excess=True) + unreduced + fresh
         transient = max(transient, largest_live_set(rp.forward), backward_end, _reduction(rp.reduce_grads))
     return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
-                  _activations_in_flight(c, rank, saved, stash, kept), transient, sum(buffer_bytes.values()))
+                  _activations_in_flight(c, rank, saved, stash, kept, shared), transient, sum(buffer_bytes.values()))
 
 
 def _fresh_grads(c: Compiled, backward: fx.GraphModule, positions: list[int]) -> int:
@@ -203,11 +204,15 @@ def saved_bytes(forward: fx.GraphModule, num_outputs: int) -> int:
     return sum(nbytes(r) for r in saved_roots(forward, num_outputs) if r.op != "placeholder")
 
 
-def stash_bytes(b: fx.GraphModule, n_input_grads: int) -> int:
-    """Bytes of new storage a backward's ``B`` half hands its ``W`` half (its outputs after the input gradients)."""
-    outs = b.graph.output_node().args[0][n_input_grads:]
-    roots = {storage_root(o) for o in outs if isinstance(o, fx.Node)}
-    return sum(nbytes(r) for r in roots if r.op != "placeholder")
+def stash_bytes(b: fx.GraphModule, n_input_grads: int) -> tuple[int, int]:
+    """Bytes of new storage a backward's ``B`` half hands its ``W`` half (its outputs after the input gradients),
+    as (held by the stash alone, also an input gradient ``B`` sends: a gradient a long skip passes through
+    unchanged that a weight gradient reads too; one storage, alive until both are done with it)."""
+    outs = b.graph.output_node().args[0]
+    sent = {storage_root(o) for o in outs[:n_input_grads] if isinstance(o, fx.Node)}
+    roots = {storage_root(o) for o in outs[n_input_grads:] if isinstance(o, fx.Node)}
+    new = [r for r in roots if r.op != "placeholder"]
+    return sum(nbytes(r) for r in new if r not in sent), sum(nbytes(r) for r in new if r in sent)
 
 
 def largest_live_set(gm: fx.GraphModule, output_excess: bool = False) -> int:
@@ -273,7 +278,7 @@ def _boundary(prog: Program, rp: RankProgram, last: bool) -> _Boundary:
 
 
 def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash: dict[int, int],
-                           kept: dict[int, _Boundary]) -> int:
+                           kept: dict[int, _Boundary], shared: dict[int, int]) -> int:
     """Peak bytes over the rank's step events of what outlives one graph: F adds its stage's saved set, the backward
     that finishes it (``backward`` or ``backward_w``) frees it; a ``B`` of a split backward adds its stash until its
     ``W``. Transfers: a received activation lives until its forward (or, saved, until its backward ends), a
@@ -291,6 +296,19 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
     sends_of = {(e.kind[-1], e.stage, e.mb): kept[e.stage].sent_forward if e.kind == "SEND_F"
                 else sum(cm.row.bytes for cm in e.comms) for e in events if e.kind in ("SEND_F", "SEND_B")}
     made: dict[tuple[str, int, int], int] = {}
+    holders: dict[tuple[int, int], list[int]] = {}  # a sent gradient W reads too: [bytes, holders left (send, W)]
+
+    def release(key: tuple[int, int]) -> int:
+        """One holder of ``key``'s shared storage is done: its bytes once the other is done too (else 0)."""
+        held = holders.get(key)
+        if held is None:
+            return 0
+        held[1] -= 1
+        return holders.pop(key)[0] if held[1] == 0 else 0
+
+    def send_done(key: tuple[int, int], sent: int) -> int:  # the send's bytes, less a storage W still reads
+        return sent - (holders[key][0] if key in holders else 0) + release(key)
+
     for e in events:
         after = 0  # freed once the event is over
         key = (e.stage, e.mb)
@@ -310,7 +328,7 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
         elif e.kind == "SEND_B":  # the input gradients its backward made
             back_sends[key] = made.pop(("B", *key))
         elif e.kind == "wait_SEND_B":
-            after = back_sends.pop(key)
+            after = send_done(key, back_sends.pop(key))
         elif e.kind == "wait_SEND_F":
             after = forward_sends.pop(key, 0)
         elif e.kind == "F":
@@ -323,10 +341,13 @@ def _activations_in_flight(c: Compiled, rank: int, saved: dict[int, int], stash:
             live += made[("B", *key)]
         if e.graph == "backward_b":
             live += stash[e.stage]
+            if shared.get(e.stage) and ("B", *key) in sends_of:
+                holders[key] = [shared[e.stage], 2]
         elif e.graph in ("backward", "backward_w"):
-            after = saved[e.stage] + (stash[e.stage] if e.graph == "backward_w" else 0) + until_backward.pop(key, 0)
+            after = saved[e.stage] + until_backward.pop(key, 0)
+            after += stash[e.stage] + release(key) if e.graph == "backward_w" else 0
         elif e.kind == "wait_sends":
-            after = sum(back_sends.values()) + sum(forward_sends.values())
+            after = sum(send_done(k, n) for k, n in back_sends.items()) + sum(forward_sends.values())
             back_sends, forward_sends = {}, {}
         peak = max(peak, live)
         live -= after

@@ -140,6 +140,18 @@ def test_pipeline_activations_equal_what_every_stage_holds(axes: dict[str, int],
         assert predicted == held, (rank, predicted, held)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_sent_gradient_the_weight_half_reads_is_counted_once(schedule: str) -> None:
+    """A long skip's gradient passes the head's adds unchanged: the tensor a stage's B half sends is also in the
+    stash its W half reads. It was counted in both (one to two activations too many under halves)."""
+    from fxpar.testing.user_models import LongSkip
+
+    plan = fxpar.Plan(stages=2, schedule=schedule, microbatches=4)
+    for rank, (predicted, held) in enumerate(default_pool().run(held_between_events, 2, LongSkip, {"pp": 2}, plan,
+                                                                TOKENS, next_token_loss, timeout=300)):
+        assert predicted == held, (rank, predicted, held)
+
+
 def test_a_backward_output_cut_from_a_larger_buffer_keeps_the_rest_alive() -> None:
     """A gradient shard sliced from a gradient computed whole is an output of the backward, counted in ``grads`` at
     its own size; the rest of the whole buffer stays alive until the graph returns and counts as transient. Slices

@@ -415,3 +415,31 @@ def frozen_backbone() -> FrozenBackbone:
     torch.manual_seed(0)
     return FrozenBackbone()
 
+
+
+class _TwoStreamBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b, self.norm = nn.Linear(width, width), nn.Linear(width, width), nn.LayerNorm(width)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h + torch.tanh(self.a(self.norm(h))) + 0.5 * skip, skip * 0.9 + self.b(h)
+
+
+class LongSkip(nn.Module):
+    """Two streams through the blocks and the embedding's output added again at the head: a pipeline boundary
+    carries three tensors, and the long skip's gradient passes through the head's adds unchanged, so a stage's
+    backward sends the very tensor its weight-gradient half reads."""
+
+    def __init__(self, vocab: int = 256, width: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(_TwoStreamBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h0 = self.embed(tokens)
+        h, skip = h0, torch.relu(h0)
+        for block in self.blocks:
+            h, skip = block(h, skip)
+        return self.head(h + skip + h0)
