@@ -100,7 +100,7 @@ def test_an_uninitialized_lazy_module_is_refused_by_name() -> None:
 
 def test_a_model_issuing_its_own_collective_is_refused_at_its_line() -> None:
     # lowering failed on it with an internal assertion ("has no ledger row")
-    for msg in default_pool().run(error_models.own_collective, 2, timeout=120):
+    for msg in default_pool().run(error_models.compile_error_on_dp, 2, error_models.OwnCollective, timeout=120):
         assert re.match(r"CaptureError: the model issues its own collective \(all_reduce.default at "
                         r"error_models.py:\d+\)", msg), msg
 
@@ -108,7 +108,8 @@ def test_a_model_issuing_its_own_collective_is_refused_at_its_line() -> None:
 def test_ranks_whose_models_trace_differently_are_refused_before_running() -> None:
     """Rank 1's model centers over the batch (an extra dp all-reduce in its forward), rank 0's does not: their
     collectives would have paired wrongly. Every rank now refuses at ``parallelize``, naming rank 1."""
-    for msg in default_pool().run(error_models.ranks_that_trace_differently, 2, timeout=120):
+    for msg in default_pool().run(error_models.compile_error_on_dp, 2, error_models.RankDependent,
+                                   timeout=120):
         assert msg.startswith("VerifyError: ranks [1] compiled programs whose collectives differ"), msg
 
 

@@ -128,17 +128,6 @@ class RankDependent(nn.Module):
         return h - h.mean(0, keepdim=True) if dist.get_rank() == 1 else h
 
 
-def ranks_that_trace_differently() -> str:
-    """Rank body: parallelize ``RankDependent`` on dp=2; return the error text."""
-    import fxpar
-
-    try:
-        fxpar.parallelize(RankDependent(), fxpar.Mesh({"dp": dist.get_world_size()}), (torch.randn(8, 16),))
-    except Exception as e:  # noqa: BLE001 - the test reads the type and message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 class OwnCollective(nn.Module):
     """Sums its hidden state over the ranks itself (``dist.all_reduce``), as code written for DDP-style scripts may."""
 
@@ -153,12 +142,12 @@ class OwnCollective(nn.Module):
         return h
 
 
-def own_collective() -> str:
-    """Rank body: parallelize ``OwnCollective`` on dp=2; return the error text."""
+def compile_error_on_dp(build: type[nn.Module]) -> str:
+    """Rank body: parallelize ``build()`` (taking ``[8, 16]`` inputs) on dp over every rank; the error text."""
     import fxpar
 
     try:
-        fxpar.parallelize(OwnCollective(), fxpar.Mesh({"dp": dist.get_world_size()}), (torch.randn(8, 16),))
+        fxpar.parallelize(build(), fxpar.Mesh({"dp": dist.get_world_size()}), (torch.randn(8, 16),))
     except Exception as e:  # noqa: BLE001 - the test reads the type and message
         return f"{type(e).__name__}: {e}"
     return "no error"
