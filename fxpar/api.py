@@ -41,6 +41,12 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     inspect any rank, also on a fake mesh; ``fxpar.verify(pm)`` has passed
     (``pm.proof`` says what it checked).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"parallelize takes an nn.Module, got {type(model).__name__} (wrap a function in a Module "
+                        "whose forward calls it)")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"parallelize takes a fxpar.Mesh, got {type(mesh).__name__}"
+                        + (f": did you mean fxpar.Mesh({mesh!r})?" if isinstance(mesh, dict) else ""))
     check_device(mesh)
     check_axes(mesh.names)
     rank = None
@@ -67,6 +73,12 @@ def compile_program(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[An
     ``ParallelModule(compiled, model, rank, loss_fn)`` then builds a rank's module from it.
     Ensures: ``compiled.timings`` holds seconds per stage of compilation (capture and each pass).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"parallelize takes an nn.Module, got {type(model).__name__} (wrap a function in a Module "
+                        "whose forward calls it)")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"parallelize takes a fxpar.Mesh, got {type(mesh).__name__}"
+                        + (f": did you mean fxpar.Mesh({mesh!r})?" if isinstance(mesh, dict) else ""))
     check_device(mesh)
     check_axes(mesh.names)
     with one_call(model):

@@ -30,6 +30,7 @@ def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
 
     Without a process group it saves from this process alone: ``save(model, None, path)`` of the single-device
     model gives a checkpoint any mesh and plan loads (``fxpar.run --checkpoint``)."""
+    _check_runs(module, "save")
     state = {"model": get_model_state_dict(module)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(module, optimizer)
@@ -48,6 +49,7 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
     parameter or buffer name the module has (the message names it and the closest saved names).
     """
     check_is_checkpoint(path)
+    _check_runs(module, "load")
     if optimizer is not None and not has_optimizer(path):
         raise CheckpointError(f"{path!r} was saved without optimizer state (fxpar.checkpoint.save(model, None, "
                               "path)); load the weights alone with load(module, None, path)")
@@ -70,6 +72,14 @@ def check_is_checkpoint(path: str) -> None:
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{path!r} is a folder but no checkpoint (it has no .metadata, which "
                               "fxpar.checkpoint.save writes)")
+
+
+def _check_runs(module: torch.nn.Module, what: str) -> None:
+    """A ParallelModule of a fake mesh holds no weights: saving or loading one is a ``CheckpointError``."""
+    compiled = getattr(module, "_compiled", None)
+    if compiled is not None and compiled.mesh.fake:
+        raise CheckpointError(f"this ParallelModule was compiled for a fake mesh: it holds no weights to {what}; "
+                              "compile on a real mesh (fxpar.Mesh(axes) under torchrun or a process group)")
 
 
 def saved_names(path: str) -> list[str]:

@@ -23,6 +23,9 @@ class Mesh:
     """
 
     def __init__(self, axes: dict[str, int], device: str = "cpu", fake: bool = False) -> None:
+        if not isinstance(axes, dict):
+            raise TypeError(f"Mesh takes a dict of axis names to sizes, e.g. Mesh({{'dp': 2, 'tp': 2}}), got "
+                            f"{type(axes).__name__} {axes!r}")
         if not axes:
             raise ValueError("Mesh needs at least one axis, e.g. Mesh({'dp': 2})")
         for name, size in axes.items():

@@ -92,6 +92,20 @@ def test_a_parameter_created_in_forward_is_refused_and_the_model_left_as_it_was(
     assert type(model(torch.randn(2, 16))) is torch.Tensor  # noqa: E721 - a plain tensor, not a fake one
 
 
+def test_arguments_of_the_wrong_type_are_named() -> None:
+    # each failed on an attribute deep in fxpar (or in DCP, for a fake mesh's module)
+    model, x = nn.Sequential(nn.Linear(16, 8)), (torch.randn(4, 16),)
+    with pytest.raises(TypeError, match=r"takes a fxpar.Mesh, got dict: did you mean fxpar.Mesh\(\{'dp': 2\}\)"):
+        fxpar.parallelize(model, {"dp": 2}, x)
+    with pytest.raises(TypeError, match=r"Mesh takes a dict of axis names to sizes"):
+        fxpar.Mesh(["dp", "tp"], fake=True)
+    with pytest.raises(TypeError, match=r"parallelize takes an nn.Module, got function"):
+        fxpar.parallelize(lambda t: t * 2, fxpar.Mesh({"dp": 2}, fake=True), x)
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), x)
+    with pytest.raises(fxpar.CheckpointError, match=r"compiled for a fake mesh: it holds no weights to save"):
+        fxpar.checkpoint.save(pm, None, "/nonexistent/checkpoint")
+
+
 def test_an_uninitialized_lazy_module_is_refused_by_name() -> None:
     model = nn.Sequential(nn.LazyLinear(16), nn.ReLU())
     with pytest.raises(fxpar.CaptureError, match=r"'0.weight' is uninitialized .* run the model once"):
