@@ -252,7 +252,32 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...]) -> torch.export.Expor
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a CaptureError
         raise CaptureError(explain_trace_failure(model, e)) from e
     _refuse_own_collectives(ep.graph_module.graph)
+    _refuse_mixed_dtype_products(ep.graph_module.graph)
     return ep
+
+
+_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "conv1d", "conv2d", "conv3d"}
+
+
+def _refuse_mixed_dtype_products(graph: fx.Graph) -> None:
+    """A matmul or convolution of two tensors of different dtypes (integer tokens into a float Linear) is a
+    ``CaptureError`` at its line: fake tensors do not check it, and the rank program failed when it first ran."""
+    for node in graph.nodes:
+        name = getattr(node.target, "_opname", "")
+        if node.op != "call_function" or name not in _PRODUCTS:
+            continue
+        first = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)][-2:] if name.startswith(
+            ("addmm", "baddbmm")) else [a.meta.get("val") for a in node.args[:2] if isinstance(a, fx.Node)]
+        dtypes = [v.dtype for v in first if isinstance(v, torch.Tensor)]
+        if len(dtypes) == 2 and dtypes[0] != dtypes[1]:
+            stack = node.meta.get("nn_module_stack") or {}
+            path, kind = next(reversed(stack.values()), ("", ""))
+            where = user_source(node.meta.get("stack_trace"))
+            kind = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1])
+            module = f"{_clean_module_path(path)} ({kind})" if path else "the model"
+            raise CaptureError(f"{module} computes {name} of a {dtypes[0]} and a {dtypes[1]} tensor"
+                               f"{' at ' + where if where else ''}: torch refuses that when it runs; give example "
+                               "inputs (and call the model with inputs) of the dtype its weights have")
 
 
 def _refuse_own_collectives(graph: fx.Graph) -> None:

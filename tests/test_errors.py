@@ -106,6 +106,14 @@ def test_arguments_of_the_wrong_type_are_named() -> None:
         fxpar.checkpoint.save(pm, None, "/nonexistent/checkpoint")
 
 
+@pytest.mark.parametrize("x", [torch.randint(0, 3, (4, 32)), torch.randn(4, 32, dtype=torch.float64)],
+                         ids=["int64", "float64"])
+def test_inputs_of_another_dtype_than_the_weights_are_refused_at_compile(x: torch.Tensor) -> None:
+    # fake tensors do not check a matmul's dtypes: it compiled, and the rank program failed when it first ran
+    with pytest.raises(fxpar.CaptureError, match=rf"0 \(Linear\) computes linear of a {x.dtype} and a torch.float32"):
+        fxpar.parallelize(nn.Sequential(nn.Linear(32, 16), nn.ReLU()), fxpar.Mesh({"dp": 2}, fake=True), (x,))
+
+
 def test_an_uninitialized_lazy_module_is_refused_by_name() -> None:
     model = nn.Sequential(nn.LazyLinear(16), nn.ReLU())
     with pytest.raises(fxpar.CaptureError, match=r"'0.weight' is uninitialized .* run the model once"):
