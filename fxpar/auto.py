@@ -49,10 +49,22 @@ def auto_plan(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, cluster: 
 
     def choose() -> Plan:
         best = search(model, example_inputs, cluster, loss_fn=loss_fn, fixed=fixed, top=3)[0]
-        why = "\n    ".join(best.explain().splitlines())
+        why = "\n    ".join([*best.explain().splitlines(), *_experts_note(model, mesh)])
         return dataclasses.replace(best.plan, notes={"auto": why})
 
     return _rank0_choice(choose, mesh) if collective else choose()
+
+
+def _experts_note(model: torch.nn.Module, mesh: Mesh) -> list[str]:
+    """What the plan leaves as it is and the reader should know: MoE experts without an ep axis run whole on every
+    rank (fxpar shards experts over ``ep`` only), however the search shards the rest."""
+    from fxpar.rules.token_local import is_hf_experts
+
+    experts = [p for p, m in model.named_modules() if p and is_hf_experts(m)]
+    if not experts or mesh.axes.get("ep", 1) > 1:
+        return []
+    return [f"experts: {len(experts)} experts modules ({experts[0]}, ...) run whole on every rank of this mesh: fxpar "
+            "shards experts over an ep axis only (e.g. Mesh({'dp': ..., 'ep': ..., 'tp': ...}))"]
 
 
 def _rank0_choice(choose: Callable[[], Plan], mesh: Mesh) -> Plan:

@@ -256,6 +256,17 @@ def test_auto_costs_the_chosen_plan_with_sequence_parallelism_flipped() -> None:
     assert auto.plan.tp and auto.estimate(latency_bound).step_time <= 1.05 * other.estimate(latency_bound).step_time
 
 
+def test_auto_says_experts_without_an_ep_axis_run_whole() -> None:
+    """The explanation was silent about the experts, which hold most of an MoE's parameters."""
+    pytest.importorskip("transformers")
+    from fxpar.models import hf_families
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxpar.FxparWarning)
+        pm = fxpar.parallelize(hf_families.mixtral(), fxpar.Mesh({"tp": 2}, fake=True), hf_families.inputs("llama"))
+    assert "experts: 2 experts modules (model.layers.0.mlp.experts, ...) run whole" in pm.plan.notes["auto"]
+
+
 def test_auto_replicates_when_reductions_cost_more_than_the_compute_they_divide() -> None:
     """A tp link much slower than memory: each group's reductions cost more than sharding saves."""
     slow = Cluster("slow tp link", gpus=2, gpus_per_node=2, peak_flops={torch.float32: 1e15},
