@@ -41,14 +41,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     inspect any rank, also on a fake mesh; ``fxpar.verify(pm)`` has passed
     (``pm.proof`` says what it checked).
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"parallelize takes an nn.Module, got {type(model).__name__} (wrap a function in a Module "
-                        "whose forward calls it)")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"parallelize takes a fxpar.Mesh, got {type(mesh).__name__}"
-                        + (f": did you mean fxpar.Mesh({mesh!r})?" if isinstance(mesh, dict) else ""))
-    check_device(mesh)
-    check_axes(mesh.names)
+    check_arguments(model, mesh)
     rank = None
     if not mesh.fake:
         mesh.device_mesh()  # validates the world size before any work
@@ -73,6 +66,14 @@ def compile_program(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[An
     ``ParallelModule(compiled, model, rank, loss_fn)`` then builds a rank's module from it.
     Ensures: ``compiled.timings`` holds seconds per stage of compilation (capture and each pass).
     """
+    check_arguments(model, mesh)
+    with one_call(model):
+        plan = resolve_plan_arg(plan, model, mesh, example_inputs, None, loss_fn, none_means_auto=False)
+        return compile_model(model, mesh, example_inputs, plan, loss_fn)
+
+
+def check_arguments(model: torch.nn.Module, mesh: Mesh) -> None:
+    """``model`` an ``nn.Module`` and ``mesh`` a ``Mesh`` (a dict is named), on a device torch has, of known axes."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"parallelize takes an nn.Module, got {type(model).__name__} (wrap a function in a Module "
                         "whose forward calls it)")
@@ -81,9 +82,6 @@ def compile_program(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[An
                         + (f": did you mean fxpar.Mesh({mesh!r})?" if isinstance(mesh, dict) else ""))
     check_device(mesh)
     check_axes(mesh.names)
-    with one_call(model):
-        plan = resolve_plan_arg(plan, model, mesh, example_inputs, None, loss_fn, none_means_auto=False)
-        return compile_model(model, mesh, example_inputs, plan, loss_fn)
 
 
 def check_device(mesh: Mesh) -> None:
