@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,10 +60,28 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
     state = {"model": {name: full[name] for name in set(source.values())}}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(module, optimizer)
+        _check_optimizer_state(state["optim"], optimizer, path)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(module, {name: state["model"][source[name]] for name in full})
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, state["optim"])
+
+
+def _check_optimizer_state(wanted: dict[str, Any], optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Raise ``CheckpointError`` if ``optimizer`` keeps state or settings the checkpoint lacks (an AdamW checkpoint
+    loaded into SGD with momentum): DCP raised an exception ``except Exception`` does not catch."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = [(f"optim.state.{fqn}.{name}", name) for fqn, per_param in wanted.get("state", {}).items()
+            for name in per_param]
+    keys += [(f"optim.param_groups.{i}.{name}", name) for i, group in enumerate(wanted.get("param_groups", []))
+             for name in group if name != "params"]
+    missing = sorted({name for key, name in keys if key not in metadata})
+    if missing:
+        saved = sorted({k.rsplit(".", 1)[-1] for k in metadata if k.startswith("optim.state.")})
+        raise CheckpointError(f"{type(optimizer).__name__} keeps {', '.join(missing)}, which {path!r} does not hold "
+                              f"(its optimizer state holds {', '.join(saved) or 'nothing per parameter'}): load it "
+                              "with the optimizer it was saved with, or the weights alone with load(module, None, "
+                              "path)")
 
 
 def check_is_checkpoint(path: str) -> None:

@@ -87,6 +87,22 @@ def test_no_optimizer_state_and_no_checkpoint_are_clear_errors(tmp_path) -> None
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_optimizer_keeping_state_the_checkpoint_lacks_is_a_clear_error(tmp_path) -> None:  # noqa: ANN001
+    """AdamW's state loaded into SGD with momentum: DCP raised its CheckpointException ("Missing key ...
+    momentum"), which ``except Exception`` does not catch."""
+    model = MODEL()
+    adam = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 128, (2, 8))).sum().backward()
+    adam.step()
+    checkpoint.save(model, adam, f"{tmp_path}/adam")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(fxpar.CheckpointError, match=r"SGD keeps dampening, momentum, nesterov, which .* does not "
+                                                    r"hold \(its optimizer state holds exp_avg, exp_avg_sq, step\)"):
+        checkpoint.load(model, sgd, f"{tmp_path}/adam")
+    checkpoint.load(model, torch.optim.AdamW(model.parameters()), f"{tmp_path}/adam")  # the same kind loads
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_tied_weight_saved_under_one_name_loads_into_the_plain_model(tmp_path) -> None:  # noqa: ANN001
     """A ``ParallelModule`` holds a tied weight once (``embed.weight``; the head's ``lm_head.weight`` is the same
     tensor), so its checkpoint has one name for it, and ``checkpoint.load`` into the plain model (whose state dict
