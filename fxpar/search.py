@@ -296,6 +296,9 @@ def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster
     seen: set[str] = set()
     deadline = time.perf_counter() + budget_s
 
+    def key_of(ch: Choice) -> str:
+        return f"{mesh_of(ch, fixed)} {plan_of(ch, profile, base)}"
+
     def confirm_one(cf: ClosedForm, ch: Choice) -> None:
         plan, mesh = plan_of(ch, profile, base), mesh_of(ch, fixed)
         try:
@@ -318,7 +321,7 @@ def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster
         confirming = wanted and len(report.failed) < 4 and (not confirmed or time.perf_counter() < deadline)
         if not confirming and len(confirmed) + len(closed) >= top:
             break
-        key = f"{mesh_of(ch, fixed)} {plan_of(ch, profile, base)}"
+        key = key_of(ch)
         if key in seen:
             continue
         seen.add(key)
@@ -327,7 +330,7 @@ def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster
         else:
             closed.append(Candidate(mesh_of(ch, fixed), plan_of(ch, profile, base), cf, cf, ch, False, report))
     for cf, ch in _contrasts(confirmed, ranked):
-        key = f"{mesh_of(ch, fixed)} {plan_of(ch, profile, base)}"
+        key = key_of(ch)
         if key not in {f"{c.mesh} {c.plan}" for c in confirmed} and time.perf_counter() < deadline:
             seen.add(key)
             closed = [c for c in closed if f"{c.mesh} {c.plan}" != key]
