@@ -8,6 +8,8 @@ plan's ``reduce_dtype`` when it has one (cast there, and back to the gradient's 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
@@ -17,6 +19,16 @@ from fxpar.split import BATCH_AXES, BATCH_AXIS
 aten = torch.ops.aten
 _CHECKS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}  # dropped by lowering: not reads
 c10d = torch.ops._c10d_functional
+
+
+def without_batch_reductions(axis_index: Any, dst: Placements, steps: tuple[Step, ...]
+                             ) -> tuple[Placements, tuple[Step, ...]]:
+    """``dst`` and ``steps`` of a parameter gradient less its batch-axis all-reduces (deferred to once a step)."""
+    batch = [st for st in steps if st.axis in BATCH_AXES and st.op == "all_reduce"]
+    placed = list(dst)
+    for st in batch:
+        placed[axis_index(st.axis)] = st.src
+    return tuple(placed), tuple(st for st in steps if st not in batch)
 
 
 class StepCollectives:
@@ -97,12 +109,26 @@ class StepCollectives:
         batch = [st for st in steps if st.axis in BATCH_AXES and st.op == "all_reduce"]
         if not batch:
             return dst, steps
-        placed = list(dst)
-        for st in batch:
-            placed[self.mesh.axis_index(st.axis)] = st.src
         self.deferred.append((pos, self.grad_fqn[pos], self.prog.node(producer)))
         self.deferred_axes[self.grad_fqn[pos]] = tuple(st.axis for st in batch)
-        return tuple(placed), tuple(st for st in steps if st not in batch)
+        return without_batch_reductions(self.mesh.axis_index, dst, steps)
+
+    def gradient_reductions_in_place(self, plan: dict) -> dict[str, list[tuple[Placements, tuple[Step, ...]]]]:
+        """By producer: each parameter gradient's steps that run inside the backward (all but the deferred batch
+        reductions: a norm weight's tp all-reduce under sequence parallelism). ``run`` issues them as soon as the
+        gradient is computed, where the output would issue them only after the whole backward: the dp buckets
+        holding that gradient would wait for them, and each tp collective would queue behind every one before it."""
+        out: dict[str, list[tuple[Placements, tuple[Step, ...]]]] = {}
+        output = self.prog.graph.output_node()
+        for pos in self.grad_fqn:
+            planned = plan.get((output.name, pos))
+            if planned is None:
+                continue
+            producer, dst, steps = planned
+            dst, steps = without_batch_reductions(self.mesh.axis_index, dst, steps)
+            if steps and self.prog.node(producer).op == "call_function":
+                out.setdefault(producer, []).append((dst, steps))
+        return out
 
     def own_zero_shard(self, pos: int, grad: fx.Node) -> fx.Node:
         """A ZeRO parameter's gradient that is already whole over dp (computed on every rank from gathered values,

@@ -111,6 +111,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask, Whol
         """Lower every global node in order. The site's source line and global node are those of the last op
         lowered: placeholders and outputs keep them (and so do the once-per-step graphs built after the walk)."""
         plan = self.prog.notes["redistribute"]
+        in_place = self.gradient_reductions_in_place(plan)
         last = Site()
         for node in self.prog.graph.nodes:
             prov = self.prog.provenance.get(node.name)
@@ -124,6 +125,9 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask, Whol
                     self.get_attr(node)
                 elif node.op == "call_function":
                     self.call(node, plan, prov.module if prov else "")
+                    for dst, steps in in_place.get(node.name, ()):
+                        with self.at(phase="bwd"):
+                            self.redistribute(node.name, dst, steps, "")
                 elif node.op == "output":
                     self.output(node, plan)
         self.site = last
