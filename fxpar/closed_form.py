@@ -111,8 +111,10 @@ def evaluate(p: ModelProfile, ch: Choice, cluster: Cluster) -> ClosedForm:
     pipe = slots * (f_rank + b_rank)
     stride = ch.dp * ch.tp
     send_bytes = tp_bytes / (tp if ch.sequence_parallel else 1)
-    pp_comm = 2 * ch.virtual * ch.microbatches * collective_time("send", (0, stride), int(send_bytes), cluster) \
-        if ch.pp > 1 else 0.0
+    # a middle stage sends activations forward and gradients back; at pp=2 without interleaving each rank one way
+    directions = 1 if ch.pp == 2 and ch.virtual == 1 else 2
+    pp_comm = directions * ch.virtual * ch.microbatches * collective_time("send", (0, stride), int(send_bytes),
+                                                                          cluster) if ch.pp > 1 else 0.0
     psi = _params_per_rank(p, ch, tp, share)
     dp_comm = _dp_time(p, ch, psi, cluster, b_rank)
     optimizer = psi * p.param_bytes * 7 / (ch.dp if ch.zero else 1) / cluster.memory_bandwidth

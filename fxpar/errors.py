@@ -32,8 +32,11 @@ class SavedProgramError(ValueError):
 
 
 def close_matches(word: str, candidates: list[str], n: int = 5) -> list[str]:
-    """Candidates that look like ``word``, best first (for 'did you mean' hints)."""
-    return difflib.get_close_matches(word, candidates, n=n, cutoff=0.4)
+    """Candidates that look like ``word``, best first (for 'did you mean' hints); case counts only to order them."""
+    exact_case = difflib.get_close_matches(word, candidates, n=n, cutoff=0.4)
+    by_lower = {c.lower(): c for c in candidates}
+    folded = [by_lower[c] for c in difflib.get_close_matches(word.lower(), list(by_lower), n=n, cutoff=0.4)]
+    return list(dict.fromkeys(exact_case + folded))[:n]
 
 
 def warn_at_callers_line(message: str) -> None:

@@ -57,6 +57,8 @@ def search(model: torch.nn.Module, example_inputs: Any, cluster: Cluster, *, los
     contradictory ``fixed`` entries and when no plan fits the cluster's memory (naming the smallest per-rank
     memory found and what dominates it).
     """
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ValueError(f"top must be a positive int (how many candidates to return), got {top!r}")
     started = time.perf_counter()
     fixed = dict(fixed or {})
     base = _base_fields(fixed, cluster)
@@ -190,6 +192,9 @@ def _rank(profile: ModelProfile, cluster: Cluster, fixed: dict[str, Any],
             else:
                 report.pruned.setdefault(f"pp={pp} dp={dp} tp={tp} (some plans)", "memory over HBM")
     if not fits:
+        pinned = {k: v for k, v in fixed.items() if k in VARIED}
+        if smallest is None and pinned:
+            raise PlanError(_pinned_out(pinned))
         raise PlanError(_fits_nowhere(profile, cluster, smallest, report.pruned))
     fits.sort(key=lambda x: x[0].step_time)
     return _prefer_simple(fits, lambda x: x[0].step_time, lambda x: x[1])
@@ -231,6 +236,19 @@ def _fits_nowhere(profile: ModelProfile, cluster: Cluster, smallest: tuple[float
             f"zero={ch.zero}, recompute={ch.recompute!r}), dominated by {dominant} "
             f"({(mem - activation_part) / 2**30:.1f} GiB of states for {cf.params_per_rank:,.0f} parameters per "
             f"rank, {activation_part / 2**30:.1f} GiB of activations); use more GPUs or a smaller batch")
+
+
+VARIED = {"zero": "0-3 (1-3 with dp > 1)", "sequence_parallel": "True / False (True only where tp shards groups)",
+          "recompute": "None / 'full'", "schedule": "'1f1b' / 'interleaved-1f1b' (with pp > 1)",
+          "microbatches": "divisors of the local batch (at least pp with pp > 1)", "stages": "pp x 1, 2 or 4"}
+
+
+def _pinned_out(pinned: dict[str, Any]) -> str:
+    """Plan fields ``fixed`` pins to values no enumerated candidate has (the search varies each over ``VARIED``)."""
+    said = ", ".join(f"{k}={v!r}" for k, v in pinned.items())
+    ranges = "; ".join(f"{k}: {VARIED[k]}" for k in pinned)
+    return (f"no candidate has fixed {said}: the search varies {ranges}. Pin a value it varies, or compile the plan "
+            "yourself with fxpar.parallelize(..., plan=fxpar.Plan(...)) and cost it with pm.estimate(cluster)")
 
 
 def _states_bytes(cf: ClosedForm, ch: Choice, profile: ModelProfile) -> float:
@@ -340,17 +358,20 @@ def _confirm(model: torch.nn.Module, inputs: Any, loss_fn: Any, cluster: Cluster
     fitting = [c for c in confirmed if c.estimate.fits]  # type: ignore[union-attr]
     confirmed = _prefer_simple(fitting, lambda c: c.step_time, lambda c: c.choice) + \
         [c for c in confirmed if c not in fitting]
-    out = (confirmed + closed)[:max(top, 1)]
-    if not out:
+    if not confirmed:  # the closed forms alone would hand back plans nobody compiled
         raise PlanError("no candidate plan compiled: " + "; ".join(report.failed))
-    return out
+    return (confirmed + closed)[:top]
 
 
 def _contrasts(confirmed: list[Candidate], ranked: list[tuple[ClosedForm, Choice]]) -> list[tuple[ClosedForm, Choice]]:
     """The fastest confirmed candidate with sequence parallelism flipped, everything else alike. The closed forms
     price SP in the batch-independent regime (bandwidth only); the compiled estimates count each of its collectives'
     latency, which dominates a small model's step (a 64-wide encoder on dp=2 x tp=4: 664 ms with SP against 225 ms
-    without), so the other side is costed too, not assumed slower."""
+    without), so the other side is costed too, not assumed slower.
+
+    Which tp groups to shard is not contrasted the same way: in that regime, where models are trained, the closed
+    form's decision holds, and a tp axis the user put in the mesh (``plan="auto"``) asks for tensor parallelism.
+    (A 48-wide model at 16 x 16 tokens on dp=2 x tp=4 is estimated 740 us a step sharded, 21 us replicated: latency.)"""
     if not confirmed:
         return []
     best = min(confirmed, key=lambda c: (not c.estimate.fits, c.step_time)).choice  # type: ignore[union-attr]

@@ -13,7 +13,11 @@ from fxpar.ir import Program
 from fxpar.pass_context import Context
 from fxpar.split import batch_ranks, splitter
 
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+aten = torch.ops.aten
+# the backward's compute that gradient buckets overlap with: after its last one, what remains is one tail bucket
+MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+           aten._scaled_mm.default,  # fp8's matmuls
+           aten.convolution_backward.default}
 
 
 def overlap(prog: Program, ctx: Context) -> Program:

@@ -75,7 +75,9 @@ def propagate(prog: Program, ctx: Context) -> Program:
     placements: dict[str, Any] = dict(prog.placements)
     arg_placements: dict[str, tuple[Any, ...]] = {}
     params = {name for _, name in prog.signature.params}
-    param_like: set[str] = set(params)
+    # a weight's fp8 cast (``meta["fp8_weight"]``) is the weight: gathering it re-runs a tp-sharded Linear whole on
+    # every rank (its float8 bytes look cheaper than the fp32 all-reduce of the partial product they avoid)
+    param_like: set[str] = set(params) | {n.name for n in prog.graph.nodes if n.meta.get("fp8_weight")}
     split = splitter(prog)
     stage = prog.notes.get("stage")
     boundary = stage is not None and stage.index < stage.n_stages - 1  # outputs go to the next stage, cp-sharded

@@ -16,6 +16,7 @@ aten = torch.ops.aten
 # ops whose outputs "selective" saves (Korthikanti et al.; torchtitan's op-level policy): the matmuls and attention
 SAVED_BY_SELECTIVE = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
+    aten._scaled_mm.default, aten.convolution.default,  # fp8's matmuls; convolutions
     aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
 }

@@ -176,3 +176,16 @@ def test_an_equivalence_mismatch_under_fp8_says_the_reference_is_full_precision(
         case = Case(LlamaMLP, {"tp": 2}, fxpar.Plan(tp=MLP_PLAN, fp8=fp8), (x,), 1, None, None, 1e-3, 0, None, None,
                     False)
         assert ("single-device reference computes in full precision" in _explain(case, mismatch)) is said
+
+
+def test_a_row_parallel_fp8_linear_runs_on_its_shards_and_all_reduces_its_output() -> None:
+    """The float8 operands of a row-parallel Linear cost fewer bytes to gather than its fp32 partial product costs to
+    all-reduce, so the propagation used to gather the activation and the whole weight over tp and run ``down`` whole on
+    every rank (tp times its FLOPs). A weight's fp8 cast now counts as the weight: the output is all-reduced, as
+    without fp8."""
+    x = torch.randn(4, 16, 64)
+    for recipe in ("tensorwise", "rowwise"):
+        pm = fxpar.parallelize(LlamaMLP(CONFIG), fxpar.Mesh({"tp": 2}, fake=True), (x,),
+                               plan=fxpar.Plan(tp=MLP_PLAN, fp8=recipe))
+        rows = [r for r in pm.ledger(0) if r.op != "all_reduce_max"]
+        assert [(r.phase, r.op, r.shape) for r in rows] == [("fwd", "all_reduce", (4, 16, 64))], (recipe, rows)

@@ -197,3 +197,27 @@ def test_issue_order_keeps_its_order_through_many_insertions_at_one_place() -> N
     assert list(order) == expected
     assert [order.pos(n) for n in expected] == sorted(order.pos(n) for n in expected)
     assert len({order.pos(n) for n in expected}) == len(expected)
+
+
+def test_conv_nets_get_gradient_buckets_during_the_backward() -> None:
+    """Buckets close where the backward's last matmul is; a convolution's backward was not counted as one, so a conv
+    net's gradients all fell into one tail bucket, whatever ``bucket_mb`` said."""
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    x = torch.randn(4, 3, 8, 8)
+    pm = fxpar.parallelize(conv, fxpar.Mesh({"dp": 2}, fake=True), (x,), plan=fxpar.Plan(bucket_mb=0.0001))
+    assert len(pm._compiled.stages[0].notes["overlap"]["buckets"]) >= 3
+
+
+def test_sequence_parallel_norm_gradients_are_reduced_over_tp_during_the_backward() -> None:
+    """Under SP a norm weight's gradient is a partial sum over tp. Its all-reduce was issued after the whole backward
+    (where the gradient is returned), behind every other tp collective, and the dp bucket holding it waited for it.
+    Each is now issued where the gradient is computed: before the backward's last tp reduce-scatter."""
+    pm = _compile({"dp": 2, "tp": 2}, layers=3, sequence_parallel=True, overlap=True)
+    nodes = list(pm.rank_program(0).backward.graph.nodes)
+    tp = [n for n in nodes if group_arg_index(n.target) is not None and str(n.args[group_arg_index(n.target)])
+          .startswith("tp")]
+    norm_reduces = [i for i, n in enumerate(tp) if n.target is c10d.all_reduce.default]
+    scatters = [i for i, n in enumerate(tp) if n.target is c10d.reduce_scatter_tensor.default]
+    assert len(norm_reduces) == 2 * 3 + 1 and scatters  # two norms a layer and the final norm
+    assert sum(i < scatters[-1] for i in norm_reduces) >= 2 * 2, [n.name for n in tp]

@@ -394,6 +394,16 @@ def test_search_errors_name_the_field_or_the_memory() -> None:
         fxpar.search(llama(n_layers=2), (x,), H100, fixed={"zeroo": 1})
     with pytest.raises(fxpar.PlanError, match=r"fixed\['tp'\]=3"):
         fxpar.search(llama(n_layers=2), (x,), H100, fixed={"tp": 3})
+    with pytest.raises(fxpar.PlanError, match="did you mean 'tp'"):  # case counts only to order the hints
+        fxpar.search(llama(n_layers=2), (x,), H100, fixed={"TP": 2})
+    with pytest.raises(ValueError, match="top must be a positive int"):  # it returned one candidate
+        fxpar.search(llama(n_layers=2), (x,), H100, top=0)
+    # a value the search does not vary named as the reason (it said "more pipeline stages than the model's blocks")
+    with pytest.raises(fxpar.PlanError, match=r"no candidate has fixed schedule='gpipe': the search varies schedule"):
+        fxpar.search(llama(n_layers=2), (x,), H100, loss_fn=next_token_loss, fixed={"schedule": "gpipe"})
+    # every candidate refused by the compiler: an error, not closed forms nobody compiled
+    with pytest.raises(fxpar.PlanError, match=r"no candidate plan compiled: .*zero must be 0, 1, 2 or 3"):
+        fxpar.search(llama(n_layers=2), (x,), H100.with_gpus(2), loss_fn=next_token_loss, fixed={"zero": True})
     tiny = Cluster.preset("h100-sxm", gpus=2)
     tiny = Cluster(**{**tiny.__dict__, "hbm_bytes": 1e3})
     with pytest.raises(fxpar.PlanError, match="smallest per-rank memory found is .* dominated by"):

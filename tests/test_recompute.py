@@ -112,3 +112,31 @@ def test_recompute_in_pipeline_stages_matches_single_device(policy: str | int) -
     plan = fxpar.Plan(stages=2, schedule="1f1b", microbatches=2, recompute=policy)
     assert_equivalent(partial(llama, n_layers=4), {"pp": 2}, plan, (TOKENS,), steps=2, loss_fn=next_token_loss,
                       targets=TOKENS)
+
+
+
+class _Stack(torch.nn.Module):
+    """Residual blocks of ``make()`` over ``layers`` (recompute acts on repeated blocks)."""
+
+    def __init__(self, make: object, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(make() for _ in range(layers))  # type: ignore[operator]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_selective_saves_a_biased_linear_of_2d_rows_and_convolutions() -> None:
+    """A biased Linear over ``[rows, features]`` is fused back to one ``addmm`` after lowering; the fused node took the
+    bias add's meta, "recompute me", so selective re-ran the matmul and no byte budget could save it. Convolutions are
+    saved like matmuls."""
+    mlp2d = _Stack(lambda: torch.nn.Sequential(torch.nn.Linear(26, 42), torch.nn.GELU(), torch.nn.Linear(42, 26)))
+    conv = _Stack(lambda: torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.GELU(),
+                                              torch.nn.Conv2d(8, 3, 3, padding=1)))
+    heavy = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.convolution.default}
+    for model, x in ((mlp2d, torch.randn(8, 26)), (conv, torch.randn(4, 3, 8, 8))):
+        pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (x,), plan=fxpar.Plan(recompute="selective"))
+        rerun = [n for n in pm.rank_program(0).backward.graph.nodes if n.meta.get("fxpar_recompute")]
+        assert rerun and not [n.name for n in rerun if n.target in heavy], [n.name for n in rerun]

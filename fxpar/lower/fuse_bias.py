@@ -17,6 +17,7 @@ from fxpar.ir import SPLIT_ADDMM
 aten = torch.ops.aten
 
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}  # token dims flattened or restored
+RECOMPUTE_META = ("fxpar_recompute", "for_node")  # what recompute (and its byte budget) reads of a rank node
 
 
 def split_adds(global_graph: fx.Graph) -> set[str]:
@@ -47,13 +48,24 @@ def fuse_split_bias(graph: fx.Graph, split: set[str]) -> int:
             addmm = graph.call_function(aten.addmm.default, (bias, *mm.args))
             addmm.meta.update(mm.meta)
             out = addmm if view is None else graph.call_function(view.target, (addmm, *view.args[1:]), view.kwargs)
-        out.meta.update(add.meta)
+        out.meta.update(add.meta if view is not None else _outside_recompute(add.meta, mm.meta))
         add.replace_all_uses_with(out)
         for dead in (add, view, mm):
             if dead is not None:
                 graph.erase_node(dead)
         fused += 1
     return fused
+
+
+def _outside_recompute(add_meta: dict, mm_meta: dict) -> dict:
+    """The add's meta for the fused ``addmm`` (its value, placements, provenance) but the matmul's say in whether
+    it is recomputed: ``selective`` saves matmuls and recomputes the add; the fused node is a matmul."""
+    meta = dict(add_meta)
+    for key in RECOMPUTE_META:
+        meta.pop(key, None)
+        if key in mm_meta:
+            meta[key] = mm_meta[key]
+    return meta
 
 
 def _same_dtype(a: fx.Node, b: fx.Node) -> bool:
