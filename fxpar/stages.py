@@ -90,10 +90,28 @@ def assign_stages(graph: fx.Graph, starts: list[str]) -> dict[fx.Node, int]:
 
 
 def _writes_state(n: fx.Node) -> bool:
-    """An op that mutates an input (``add_``, ``copy_``): where no user input reaches it, its effect on model state
-    is all it does."""
+    """An op that mutates model state (``add_``, ``copy_`` into a buffer, a parameter or a view of one): where no user
+    input reaches it, that effect is all it does. An in-place op on a tensor the forward made itself (DeBERTa's
+    ``detach_`` of a fresh relative-position table) is plain computation: staged with its users, not pinned."""
     target = n.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+    if not (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable):
+        return False
+    written = [a for a, spec in zip(n.args, target._schema.arguments, strict=False)
+               if spec.alias_info is not None and spec.alias_info.is_write]
+    return any(_state_root(a) for a in written)
+
+
+def _state_root(x: object) -> bool:
+    """``x`` is a placeholder or attribute (a parameter, buffer or constant of the model), or a view of one."""
+    while isinstance(x, fx.Node):
+        if x.op in ("placeholder", "get_attr"):
+            return True
+        target = x.target
+        if not (isinstance(target, torch._ops.OpOverload) and target._schema.returns
+                and target._schema.returns[0].alias_info is not None and x.args):
+            return False
+        x = x.args[0]
+    return False
 
 
 def stage_costs(stages: list[Any], has_w: bool) -> dict[tuple[str, int], float]:

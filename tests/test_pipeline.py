@@ -397,3 +397,14 @@ def test_pipeline_transfers_and_the_step_loss_live_on_the_nccl_device(monkeypatc
     assert step_loss.transfer_device() == torch.device("cuda", 3)
     monkeypatch.setattr(step_loss.dist, "get_backend", lambda group=None: "gloo")
     assert step_loss.transfer_device() == torch.device("cpu")
+
+
+def test_an_in_place_write_to_a_tensor_the_forward_made_is_staged_with_its_readers() -> None:
+    """Every in-place op counted as a write to model state and was pinned to stage 0; DeBERTa-v2 writes its relative
+    position table in place (``detach_``), so stage 1 read a value nobody sent (an internal AssertionError). Only
+    writes to parameters and buffers are pinned now."""
+    from fxpar.testing.block_models import FreshTableInPlace
+
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(0))
+    assert_equivalent(FreshTableInPlace, {"pp": 2}, fxpar.Plan(stages=2, microbatches=2), (x,), steps=2,
+                      loss_fn=torch.nn.functional.mse_loss, targets=x)

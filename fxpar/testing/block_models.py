@@ -252,3 +252,22 @@ class WritesItsOutput(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+class FreshTableInPlace(nn.Module):
+    """DeBERTa's relative-position pattern: a table built from ``arange`` (no input reaches it), written in place
+    (``detach_``, ``mul_``) and read by every block, so by each pipeline stage."""
+
+    def __init__(self, width: int = 16, seq: int = 8) -> None:
+        super().__init__()
+        self.seq = seq
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.arange(self.seq, dtype=x.dtype)
+        table.detach_()
+        table.mul_(0.1)
+        bias = torch.log1p(table).unsqueeze(-1)
+        for layer in self.layers:
+            x = torch.tanh(layer(x) + bias)
+        return x
