@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -24,6 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fxpar.errors import CheckpointError, close_matches
+
+# optimizer state keyed by parameter name, settings too (``optim.param_groups.<fqn>.lr``): a pipeline rank holds some
+# parameters, and DCP's nested form stores one rank's list of a group's names, so the others found no settings
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -> None:
@@ -34,7 +39,7 @@ def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
     _check_runs(module, "save")
     state = {"model": get_model_state_dict(module)}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(module, optimizer)
+        state["optim"] = get_optimizer_state_dict(module, optimizer, options=FLAT)
     if dist.is_available() and dist.is_initialized():
         dcp.save(state, checkpoint_id=path)
         return
@@ -59,22 +64,19 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
     source = _one_name_per_tensor(module, full, set(saved_shapes(path)))
     state = {"model": {name: full[name] for name in set(source.values())}}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(module, optimizer)
+        state["optim"] = get_optimizer_state_dict(module, optimizer, options=FLAT)
         _check_optimizer_state(state["optim"], optimizer, path)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(module, {name: state["model"][source[name]] for name in full})
     if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, state["optim"])
+        set_optimizer_state_dict(module, optimizer, state["optim"], options=FLAT)
 
 
 def _check_optimizer_state(wanted: dict[str, Any], optimizer: torch.optim.Optimizer, path: str) -> None:
     """Raise ``CheckpointError`` if ``optimizer`` keeps state or settings the checkpoint lacks (an AdamW checkpoint
     loaded into SGD with momentum): DCP raised an exception ``except Exception`` does not catch."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    keys = [(f"optim.state.{fqn}.{name}", name) for fqn, per_param in wanted.get("state", {}).items()
-            for name in per_param]
-    keys += [(f"optim.param_groups.{i}.{name}", name) for i, group in enumerate(wanted.get("param_groups", []))
-             for name in group if name != "params"]
+    keys = [(f"optim.{key}", key.rsplit(".", 1)[-1]) for key in wanted]  # flat: state.<fqn>.exp_avg, param_groups...
     missing = sorted({name for key, name in keys if key not in metadata})
     if missing:
         saved = sorted({k.rsplit(".", 1)[-1] for k in metadata if k.startswith("optim.state.")})
@@ -122,7 +124,8 @@ def has_optimizer(path: str) -> bool:
 def check_names(module: torch.nn.Module, path: str) -> None:
     """Raise ``CheckpointError`` unless ``path`` holds every name in ``module``'s state dict, each with its shape.
 
-    Extra names in the checkpoint are fine (a pipeline rank holds only its stages' parameters). With
+    A name no rank of the module holds is refused too (a checkpoint of a larger model would load with its extra
+    layers dropped); a pipeline rank holds only its stages' names, so the ranks pool theirs. With
     ``torch.distributed`` initialized every rank learns whether any rank is missing names, so all
     raise together and none is left waiting inside DCP's collectives.
     """
@@ -131,12 +134,19 @@ def check_names(module: torch.nn.Module, path: str) -> None:
     expected = get_model_state_dict(module)
     missing = sorted(set(_one_name_per_tensor(module, expected, set(have)).values()) - set(have))
     message = _describe(missing, have, path) if missing else _wrong_shape(expected, shapes, path)
+    known = set(expected) | {n for n, _ in (*module.named_parameters(remove_duplicate=False),
+                                            *module.named_buffers(remove_duplicate=False))}
     if dist.is_available() and dist.is_initialized():
-        messages: list[str] = [""] * dist.get_world_size()
-        dist.all_gather_object(messages, message)
-        bad = [r for r, m in enumerate(messages) if m]
+        views: list[tuple[str, list[str]]] = [("", [])] * dist.get_world_size()
+        dist.all_gather_object(views, (message, sorted(known)))
+        bad = [r for r, (m, _) in enumerate(views) if m]
         if bad and not message:
-            message = f"rank(s) {bad} cannot load {path!r}: {messages[bad[0]]}"
+            message = f"rank(s) {bad} cannot load {path!r}: {views[bad[0]][0]}"
+        known = {n for _, names in views for n in names}  # the whole model: each rank holds its stages' names
+    extra = sorted(set(have) - known)
+    if not message and extra:
+        message = (f"checkpoint {path!r} holds {len(extra)} name(s) the model does not have, e.g. {extra[:3]}: it was "
+                   "saved from another model (more layers or other modules), whose weights would be dropped")
     if message:
         raise CheckpointError(message)
 

@@ -8,7 +8,8 @@ pipeline transfers, gradient reductions), then ``torch.optim.AdamW(lr=--lr)`` wi
 Data: ``--data PATH`` is a flat file of token ids (nanoGPT's ``train.bin``), read as ``numpy.memmap`` of
 ``--dtype``; step ``i`` takes the ``i``-th consecutive run of ``B x (S + 1)`` tokens (wrapping around at the
 end of the file) as ``B`` rows, inputs the first ``S`` of each row and targets the next ``S``; each rank
-takes its dp (and ep) piece of the rows. ``--synthetic`` draws seeded random ids instead. Rank 0 prints
+takes its dp (and ep) piece of the rows. ``--synthetic`` draws random ids instead (step ``i`` from seed
+``--seed + i``). A checkpoint whose optimizer state took ``k`` steps resumes at step ``k``. Rank 0 prints
 ``step <i> loss <value>`` per step (the value as Python prints the float, every digit). ``--clip-grad-norm MAX``
 clips the model's gradient norm before each optimizer step, as ``pm.clip_grad_norm_``. ``--save CKPT2``
 writes the trained weights and optimizer state back. It imports neither the model's code nor ``transformers``.
@@ -64,13 +65,13 @@ class Batches:
     def __init__(self, args: argparse.Namespace, batch: int, seq: int, vocab: int | None) -> None:
         self.rows, self.width = batch, seq + 1
         self.tokens: Any = None
-        self.generator: torch.Generator | None = None
+        self.seed: int | None = None  # --synthetic: step i draws from a generator seeded seed + i
         self.vocab = vocab
         if args.synthetic:
             if vocab is None:
                 raise SavedProgramError("--synthetic needs the vocabulary size, and this program has no embedding of "
                                         "its token ids to read it from: use --data")
-            self.generator = torch.Generator().manual_seed(args.seed)
+            self.seed = args.seed
             return
         if not os.path.isfile(args.data):
             raise SavedProgramError(f"--data {args.data!r}: no such file")
@@ -82,11 +83,15 @@ class Batches:
         self(0)  # the first batch's ids, checked against the vocabulary before any process group exists
 
     def __call__(self, step: int) -> torch.Tensor:
-        if self.generator is not None:
-            return torch.randint(0, self.vocab, (self.rows, self.width), generator=self.generator)
+        if self.seed is not None:  # each step's own seed: a resumed run draws what it would have drawn
+            generator = torch.Generator().manual_seed(self.seed + step)
+            return torch.randint(0, self.vocab, (self.rows, self.width), generator=generator)
         need = self.rows * self.width
         start = (step % (len(self.tokens) // need)) * need
         ids = torch.from_numpy(np.asarray(self.tokens[start:start + need], dtype=np.int64)).view(self.rows, self.width)
+        if int(ids.min()) < 0:
+            raise SavedProgramError(f"--data: step {step}'s batch holds token id {int(ids.min())}: token ids are "
+                                    "non-negative (is --dtype right?)")
         if self.vocab is not None and int(ids.max()) >= self.vocab:
             raise SavedProgramError(f"--data: step {step}'s batch holds token id {int(ids.max())}, but the model's "
                                     f"vocabulary has {self.vocab} ids: is --dtype right, or the file another "
@@ -102,8 +107,12 @@ def _token_file(path: str, dtype: str) -> Any:
         raise SavedProgramError(f"--dtype {dtype!r} is not a numpy dtype (uint16, uint32, int32, int64)") from e
     if kind.kind not in "ui":
         raise SavedProgramError(f"--dtype {dtype!r}: token ids are integers (uint16, uint32, int32, int64)")
-    if os.path.getsize(path) == 0:
+    size = os.path.getsize(path)
+    if size == 0:
         raise SavedProgramError(f"--data {path!r} is empty")
+    if size % kind.itemsize:
+        raise SavedProgramError(f"--data {path!r} holds {size} bytes, not a whole number of {dtype} ids "
+                                f"({kind.itemsize} bytes each): is --dtype right, or the file cut short?")
     return np.memmap(path, dtype=kind, mode="r")
 
 
@@ -130,6 +139,13 @@ def _check_checkpoint_paths(args: argparse.Namespace) -> None:
     checkpoint.check_is_checkpoint(args.checkpoint)
     if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
         raise CheckpointError(f"--save {args.save!r} is an existing file; a checkpoint is a folder")
+    if args.save and not os.path.exists(args.save):
+        parent = os.path.dirname(os.path.abspath(args.save))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise CheckpointError(f"--save {args.save!r} cannot be created ({parent!r} is not a writable folder): "
+                                  "the trained state would be lost after the last step")
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -169,9 +185,10 @@ def train_saved(saved: SavedRank, manifest: dict[str, Any], device: str, checkpo
     """Train a loaded rank for ``steps`` steps (the process group exists); return the step losses.
 
     Loads the checkpoint (its optimizer state too, if it has one), runs each step's saved events on this rank's
-    piece of ``batches(step)`` (global ``B x (S + 1)`` ids), clips the model's gradient norm to ``clip`` (as
-    ``pm.clip_grad_norm_``: over the pipeline's stages, a tied weight counted once), steps AdamW, and saves to
-    ``save`` at the end.
+    piece of ``batches(step)`` (global ``B x (S + 1)`` ids; a checkpoint whose optimizer took ``k`` steps resumes at
+    step ``k``, so a run saved and resumed reads the batches uninterrupted training reads), clips the model's
+    gradient norm to ``clip`` (as ``pm.clip_grad_norm_``: over the pipeline's stages, a tied weight counted once),
+    steps AdamW, and saves to ``save`` at the end.
     """
     mesh = manifest_mesh(manifest, device)
     rank, m = saved.rank, manifest["microbatches"]
@@ -179,8 +196,9 @@ def train_saved(saved: SavedRank, manifest: dict[str, Any], device: str, checkpo
     optimizer = torch.optim.AdamW(state.parameters(), lr=lr)
     checkpoint.load(state, optimizer if checkpoint.has_optimizer(checkpoint_path) else None, checkpoint_path)
     clip_step = _clipper(state, manifest, mesh, rank, clip) if clip is not None else None
+    start = completed_steps(optimizer)  # a resumed run continues the data where the checkpoint's run stopped
     losses = []
-    for step in range(steps):
+    for step in range(start, start + steps):
         tokens = batches(step).to(_device(device))
         inputs, targets = rank_batch(tokens[:, :-1], mesh, rank), rank_batch(tokens[:, 1:], mesh, rank)
         try:
@@ -197,6 +215,16 @@ def train_saved(saved: SavedRank, manifest: dict[str, Any], device: str, checkpo
     if save:
         checkpoint.save(state, optimizer, save)
     return losses
+
+
+def completed_steps(optimizer: torch.optim.Optimizer) -> int:
+    """The optimizer steps taken before (AdamW's per-parameter ``step``, equal on every parameter; 0 for a checkpoint
+    without optimizer state)."""
+    steps = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
+    if len(steps) > 1:
+        raise SavedProgramError(f"the checkpoint's optimizer state holds different step counts {sorted(steps)}: it "
+                                "was not saved by one training run")
+    return steps.pop() if steps else 0
 
 
 def _clipper(state: Any, manifest: dict[str, Any], mesh: Any, rank: int, max_norm: float) -> Callable[[], Any]:

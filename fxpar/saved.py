@@ -43,7 +43,10 @@ def read_manifest(folder: str) -> dict[str, Any]:
         raise SavedProgramError(f"{folder!r} is not a saved fxpar program: it has no manifest.json (write one with "
                                 "pm.save(folder))")
     with open(path) as f:
-        manifest = json.load(f)
+        try:
+            manifest = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SavedProgramError(f"{path!r} is incomplete or corrupt ({e}): save the program again") from None
     if manifest.get("format") != FORMAT or manifest.get("fxpar") != version():
         raise SavedProgramError(f"{folder!r} was saved by fxpar {manifest.get('fxpar')} (format "
                                 f"{manifest.get('format')}); this is fxpar {version()} (format {FORMAT}): save it "
@@ -110,17 +113,26 @@ def load_rank(folder: str, manifest: dict[str, Any], rank: int) -> SavedRank:
     entry = manifest["ranks"].get(str(rank))
     if entry is None:
         raise SavedProgramError(f"{folder!r} holds no program for rank {rank} (it has {len(manifest['ranks'])})")
-    path = os.path.join(folder, entry["file"])
-    name = f"fxpar_saved_rank{rank}"
+    try:
+        module = _import_rank(os.path.join(folder, entry["file"]), f"fxpar_saved_rank{rank}")
+        tensors = torch.load(os.path.join(folder, entry["tensors"]), weights_only=True)
+        module.constants.update(tensors["constants"])
+        return SavedRank(rank, module, spec_from_data(module.SPEC), events_from_data(module.EVENTS), module.PARAMS,
+                         tensors["buffers"])
+    except (OSError, SyntaxError, AttributeError, KeyError, RuntimeError, EOFError) as e:
+        said = str(e).splitlines()[0] if str(e) else ""
+        raise SavedProgramError(f"{folder!r}: rank {rank}'s files ({entry['file']}, {entry['tensors']}) are missing, "
+                                f"incomplete or corrupt ({type(e).__name__}: {said}): save the program again with "
+                                "pm.save") from None
+
+
+def _import_rank(path: str, name: str) -> Any:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    tensors = torch.load(os.path.join(folder, entry["tensors"]), weights_only=True)
-    module.constants.update(tensors["constants"])
-    return SavedRank(rank, module, spec_from_data(module.SPEC), events_from_data(module.EVENTS), module.PARAMS,
-                     tensors["buffers"])
+    return module
 
 
 def _tie_groups(manifest: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -117,3 +117,11 @@ def test_a_tied_weight_saved_under_one_name_loads_into_the_plain_model(tmp_path)
     checkpoint.load(model, None, folder)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before["params"][name]), name
+
+
+def test_a_checkpoint_of_a_larger_model_is_refused(tmp_path) -> None:  # noqa: ANN001
+    """A 4-layer checkpoint loaded into a 2-layer model: every name the model has is there, so it loaded, and layers
+    2 and 3 were dropped without a word."""
+    checkpoint.save(llama(n_layers=4), None, str(tmp_path))
+    with pytest.raises(fxpar.CheckpointError, match=r"holds \d+ name\(s\) the model does not have, e.g. \['layers\.2"):
+        checkpoint.load(llama(n_layers=2), None, str(tmp_path))

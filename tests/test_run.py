@@ -16,6 +16,7 @@ import subprocess
 import sys
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,7 @@ from fxpar.testing.launcher import (
     logged_losses,
     next_token_loss,
     read_checkpoint,
+    resume_both,
     train_both,
     train_in_process,
     write_tokens,
@@ -122,6 +124,20 @@ def test_every_plan_kind_trains_from_its_saved_folder_bitwise(case: str, tmp_pat
     in_process, replayed, different = results[0]
     assert replayed == in_process
     assert not different, f"weights differ after {STEPS} steps: {different[:5]}"
+
+
+def test_a_resumed_run_continues_the_data_and_the_pipeline_optimizer_exactly(tmp_path: os.PathLike) -> None:
+    """Saved after 2 steps and resumed for 2 more, a run trains as 4 uninterrupted steps do. It used to start the
+    data again at batch 0; and a pipeline rank's optimizer settings were lost in the checkpoint (DCP keeps one rank's
+    names per parameter group), so ``opt.step()`` after loading raised ``KeyError: 'betas'``."""
+    data = os.path.join(str(tmp_path), "tokens.bin")
+    write_tokens(data, ROWS * (SEQ + 1) * 4, vocab=128)
+    build = partial(llama, n_layers=2, vocab_size=128)
+    results = default_pool().run(resume_both, 4, build, {"pp": 2, "dp": 2}, fxpar.Plan(zero=1, microbatches=2),
+                                 f"{tmp_path}/prog", data, ROWS, SEQ, 2, 2, timeout=300)
+    straight, interrupted, different = results[0]
+    assert interrupted == straight
+    assert not different, f"weights differ after a resume: {different[:5]}"
 
 
 def test_a_replay_reads_the_checkpoints_buffers_and_saves_them(tmp_path: os.PathLike) -> None:
@@ -243,13 +259,27 @@ def test_bad_input_is_a_clear_error_on_every_rank(tmp_path: os.PathLike, monkeyp
     empty, wide = f"{tmp_path}/empty.bin", f"{tmp_path}/wide.bin"
     open(empty, "wb").close()
     write_tokens(wide, 1000, vocab=1000)  # another tokenizer's ids: the model has 128 (an IndexError in its embedding)
+    odd, negative = f"{tmp_path}/odd.bin", f"{tmp_path}/negative.bin"
+    with open(odd, "wb") as f:  # a file cut mid-id (numpy's memmap raised)
+        f.write(open(data, "rb").read()[:-1])
+    np.full(ROWS * (SEQ + 1), -3, dtype=np.int16).tofile(negative)  # ids under 0 (read as uint16: wrap; as int16: -3)
+    cut, broken = f"{tmp_path}/cut", f"{tmp_path}/broken"  # a rank file cut short; a manifest cut short
+    shutil.copytree(prog, cut)
+    shutil.copytree(prog, broken)
+    for path in (f"{cut}/rank1.py", f"{cut}/rank0.py", f"{broken}/manifest.json"):
+        text = open(path).read()
+        open(path, "w").write(text[: len(text) // 2])
     cases = ((prog, short, "fewer than one batch", []), (old, data, "saved by fxpar 0.0.1", []),
              (prog, empty, "is empty", []), (prog, wide, "but the model's vocabulary has 128 ids", []),
              (prog, data, "token ids are integers", ["--dtype", "float32"]),
              (prog, data, "--lr must be a finite number >= 0", ["--lr", "-1"]),
              (prog, data, "--clip-grad-norm must be a finite number > 0", ["--clip-grad-norm", "0"]),
              (prog, data, "is an existing file; a checkpoint is a folder", ["--save", data]),
-             (prog, data, "is a folder but no checkpoint", ["--checkpoint", prog]))
+             (prog, data, "is a folder but no checkpoint", ["--checkpoint", prog]),
+             (prog, odd, "not a whole number of uint16 ids", []),
+             (prog, negative, "token ids are non-negative", ["--dtype", "int16"]),
+             (prog, data, "cannot be created", ["--save", f"{data}/sub"]),
+             (cut, data, "are missing, incomplete or corrupt", []), (broken, data, "is incomplete or corrupt", []))
     for folder, tokens, message, extra in cases:
         for rank in range(2):  # each rank refuses by itself, before any process group exists
             monkeypatch.setenv("RANK", str(rank))

@@ -131,3 +131,23 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
         dcp_to_torch_save(path, target)
         state = torch.load(target, weights_only=False)
     return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+
+
+def resume_both(build: Callable[[], torch.nn.Module], axes: dict[str, int], plan: fxpar.Plan, folder: str,
+                data: str, rows: int, seq: int, before: int, after: int) -> tuple[list[float], list[float], list[str]]:
+    """On each pool rank, with ``fxpar.run``'s training loop on the saved folder: ``before + after`` steps straight,
+    then ``before`` steps saved with the optimizer's state and ``after`` more resumed from that checkpoint. Returns
+    the straight losses, the interrupted run's, and the parameters whose shards differ at the end."""
+    train_in_process(build, axes, plan, folder, f"{folder}.init", f"{folder}.unused", data, rows, seq, 0)
+    manifest = read_manifest(folder)
+
+    def run(start: str, steps: int, save: str) -> list[float]:
+        saved = load_rank(folder, manifest, dist.get_rank())
+        return train_saved(saved, manifest, "cpu", start, steps, lambda step: token_batch(data, step, rows, seq),
+                           save=save)
+
+    straight = run(f"{folder}.init", before + after, f"{folder}.straight")
+    interrupted = run(f"{folder}.init", before, f"{folder}.mid") + run(f"{folder}.mid", after, f"{folder}.resumed")
+    dist.barrier()
+    want, got = read_checkpoint(f"{folder}.straight"), read_checkpoint(f"{folder}.resumed")
+    return straight, interrupted, sorted(k for k in want if k not in got or not torch.equal(want[k], got[k]))
