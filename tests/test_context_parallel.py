@@ -249,3 +249,15 @@ def test_hf_in_model_loss_with_labels_matches_single_device() -> None:
     ids = hf_families.inputs("llama")[0]
     assert_equivalent(hf_families.builder("llama"), {"dp": 2, "cp": 2}, None, {"input_ids": ids, "labels": ids},
                       steps=3, loss_fn=_hf_loss)
+
+
+def test_a_buffer_filled_by_slice_copies_runs_on_sequence_and_batch_shards() -> None:
+    """DeepSeek-V3's MLA concat (``new_empty`` then two slice copies): at cp=2 the backward's ``new_empty_strided``
+    kept its global shape on a sequence shard (a crash in the fake copy); at dp=2 the buffer, replicated by DTensor's
+    factory rule, gathered the batch into it twice a step."""
+    from fxpar.testing.block_models import ConcatBySliceCopies
+
+    x = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(0))
+    assert_equivalent(ConcatBySliceCopies, {"cp": 2}, fxpar.Plan(), (x,), steps=2)
+    pm = fxpar.parallelize(ConcatBySliceCopies(), fxpar.Mesh({"dp": 2}, fake=True), (x,))
+    assert [r.op for r in pm.ledger(0)] == ["all_reduce"]  # DDP's gradient bucket alone

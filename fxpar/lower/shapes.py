@@ -26,13 +26,25 @@ SHAPE_ARG = {
     aten.new_empty.default: 1, aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_full.default: 1,
     aten.slice_backward.default: 1, aten.select_backward.default: 1,
     aten.empty.memory_format: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.full.default: 0,
+    aten.new_empty_strided.default: 1, aten.empty_strided.default: 0,  # and their strides, the argument after
 }
+STRIDED = {aten.new_empty_strided.default, aten.empty_strided.default}
 ARANGES = {aten.arange.default: 0, aten.arange.start: 1, aten.arange.start_step: 1}  # index of ``end``
 SQUEEZES = {aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
 # ops that take their input's sizes as ints: op -> (index of the input, index of N; C and HxW follow it)
 SIZE_ARGS = {aten.native_group_norm.default: (0, 3), aten.native_group_norm_backward.default: (1, 5)}
 VIEWS = {aten.view.default, aten._unsafe_view.default}
 _HANDLED = frozenset({*SHAPE_ARG, *ARANGES, *SQUEEZES, *SIZE_ARGS, *VIEWS})
+
+
+def strides_like(strides: list[int], shape: list[int]) -> list[int]:
+    """Dense strides over ``shape`` that order its dims as ``strides`` does (innermost: the smallest stride)."""
+    out = [0] * len(shape)
+    step = 1
+    for d in sorted(range(len(shape)), key=lambda d: (strides[d], -d)):
+        out[d] = step
+        step *= max(shape[d], 1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,8 @@ def localize(node: fx.Node, args: tuple, placements: Any, at: LocalShapes) -> tu
         i = SHAPE_ARG[target]
         shape = at.split.local_shape(node.meta["val"].shape, placements, at.coord)
         args = (*args[:i], shape, *args[i + 1:])
+        if target in STRIDED:  # the same dim order, dense over the local sizes
+            args = (*args[:i + 1], strides_like(args[i + 1], shape), *args[i + 2:])
     if target in ARANGES and isinstance(placements, tuple) and any(isinstance(p, Shard) for p in placements):
         # only inside a token-local region (fxpar.rules.token_local): this rank's own row indices
         i = ARANGES[target]

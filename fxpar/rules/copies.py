@@ -38,3 +38,15 @@ def copy(args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[Candidat
         elif d < lead or src.shape[d - lead] == 1:
             out.append(Candidate((Shard(d), Replicate()), Shard(d)))
     return out
+
+
+@register(torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default)
+def new_empty(args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[Candidate]:
+    """``self.new_empty(size)``: a buffer whose values nothing reads before the model writes them (DeepSeek-V3's MLA
+    fills one by two slice copies); ``self`` gives only its dtype and device. The buffer is placed as ``self`` is on
+    each dim they share (same extent, at least ``n`` entries), else replicated: DTensor's replicate-only factory made
+    a batch- or sequence-sharded model gather the batch into it."""
+    x, size = args[0], list(args[1])
+    out = [Candidate((Replicate(),), Replicate())]
+    return out + [Candidate((Shard(d),), Shard(d)) for d in range(min(x.ndim, len(size)))
+                  if x.shape[d] == size[d] >= n]

@@ -271,3 +271,19 @@ class FreshTableInPlace(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x) + bias)
         return x
+
+
+class ConcatBySliceCopies(nn.Module):
+    """DeepSeek-V3's MLA key concat (``modeling_deepseek_v3.py``): ``new_empty``, then two in-place slice copies,
+    over ``[batch, heads, seq, dim]`` values (the backward makes the buffer's gradient with ``new_empty_strided``)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.a(x).unsqueeze(1), self.b(x).unsqueeze(1)  # [batch, 1, seq, width]
+        out = a.new_empty(*a.shape[:-1], 2 * a.shape[-1])
+        out[..., : a.shape[-1]].copy_(a)
+        out[..., a.shape[-1]:].copy_(b)
+        return self.o(out.squeeze(1))
