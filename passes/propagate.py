@@ -60,6 +60,7 @@ MAX_REDUCTIONS = {aten.amax.default}  # may leave a Partial("max") (fp8 scales),
 VIEW_LIKE = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
              aten.permute.default, aten.detach.default, aten.alias.default, aten._to_copy.default}
 PARAM_PENALTY = 1e6
+FRESH_BUFFERS = {torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default}  # values unread
 NO_CANDIDATE = math.inf
 SEQUENCE = Shard(1)  # where sequence parallelism keeps the residual stream ([batch, seq, hidden]) on tp
 
@@ -287,6 +288,8 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
     kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), node.kwargs)
     if node.target in VALUE_RANDOM:  # inputs gathered, drawn whole, as the single device draws (fxpar.random_draws)
         return Candidate(tuple(Replicate() for _ in cur), _all(node.meta["val"], Replicate()))
+    if node.target in FRESH_BUFFERS and any(u.target in RANDOM_OPS for u in node.users):
+        return Candidate(tuple(cur), Replicate())  # Dropout2d's mask shape: drawn whole, its source left as it is
     found = None
     if tensor_args:
         try:
