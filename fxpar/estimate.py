@@ -33,7 +33,7 @@ from fxpar.backends.comm import COLLECTIVES, group_arg_index
 from fxpar.cluster import Cluster
 from fxpar.costs import collective_time, compute_time, formula_text, node_flops
 from fxpar.errors import PlanError
-from fxpar.memory import Memory
+from fxpar.memory import Memory, zero_numels
 from fxpar.memory import predict as predict_memory
 from fxpar.rank_step import StepEvent, peer_rank, rank_step
 
@@ -271,14 +271,13 @@ def _optimizer_time(c: Compiled, rank: int, cluster: Cluster) -> float:
         prog, rp = c.stages[s], c.rank_program(rank, s)
         placeholders = [n for n in rp.forward.graph.nodes if n.op == "placeholder"]
         trainable = {fqn for fqn, _ in prog.signature.grads}
-        for (fqn, _), node in zip(prog.signature.params, placeholders, strict=False):
+        for (fqn, name), node in zip(prog.signature.params, placeholders, strict=False):
             if fqn in seen or fqn not in trainable:
                 continue
             seen.add(fqn)
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
-                shard = val.numel() // (c.mesh.axes["dp"] if fqn in rp.zero and not node.meta.get("zero3_shard")
-                                        else 1)
+                shard = zero_numels(c, prog, rank, fqn, name)[1] if fqn in rp.zero else val.numel()
                 moved += shard * val.element_size() * ADAM_BYTES_PER_ELEMENT
                 tensors += 1
     return moved / cluster.memory_bandwidth + tensors * cluster.optimizer_overhead

@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.rank_step import backward_halves, rank_step
+from fxpar.split import splitter
 
 if TYPE_CHECKING:
     from fxpar.compiled import Compiled
@@ -112,11 +113,12 @@ def predict(c: Compiled, rank: int) -> Memory:
         placeholders = [n for n in rp.forward.graph.nodes if n.op == "placeholder"]
         trainable = {fqn for fqn, _ in prog.signature.grads}
         for (fqn, name), node in zip(prog.signature.params, placeholders, strict=False):
-            gathered = nbytes(node) * (c.mesh.axes["dp"] if node.meta.get("zero3_shard") else 1)  # ZeRO-3: shards
-            # the master weight keeps its dtype; a ZeRO-1/2 working copy may be gathered in param_dtype
-            full = gathered // node.meta["val"].element_size() * prog.node(name).meta["val"].element_size()
-            shard = full // c.mesh.axes["dp"] if fqn in rp.zero else full
-            working_copy = gathered if fqn in rp.zero and c.plan.zero < 3 else 0  # ZeRO-3 gathers inside the graphs
+            master = prog.node(name).meta["val"].element_size()  # the master weight keeps its dtype
+            numel, own = zero_numels(c, prog, rank, fqn, name) if fqn in rp.zero else (node.meta["val"].numel(),) * 2
+            full, shard = numel * master, own * master
+            # a ZeRO-1/2 working copy (the forward's placeholder) may be gathered in param_dtype; ZeRO-3 gathers
+            # inside the graphs
+            working_copy = numel * node.meta["val"].element_size() if fqn in rp.zero and c.plan.zero < 3 else 0
             param_bytes[fqn] = shard + working_copy
             if fqn in trainable:  # ZeRO-1 keeps the summed whole gradient until the step's end; ZeRO-2 does not
                 state_bytes[fqn] = 2 * shard  # a frozen parameter gets no gradient, so Adam keeps no state for it
@@ -137,6 +139,19 @@ def predict(c: Compiled, rank: int) -> Memory:
         transient = max(transient, largest_live_set(rp.forward), backward_end, _reduction(rp.reduce_grads))
     return Memory(rank, sum(param_bytes.values()), sum(grad_bytes.values()), sum(state_bytes.values()),
                   _activations_in_flight(c, rank, saved, stash, kept, shared), transient, sum(buffer_bytes.values()))
+
+
+def zero_numels(c: Compiled, prog: Program, rank: int, fqn: str, name: str) -> tuple[int, int]:
+    """(elements of the tp-local parameter, elements of ``rank``'s dp shard of it) for a ZeRO parameter ``fqn``
+    (placeholder ``name``): the pieces differ where dp does not divide its dim (``fxpar.split``)."""
+    split = splitter(prog)
+    coord = c.mesh.coord(rank)
+    shape = split.local_shape(prog.node(name).meta["val"].shape, prog.placements[name], coord)
+    d, ax = prog.notes["zero"][fqn], c.mesh.axis_index("dp")
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel, numel // shape[d] * split.sizes(shape[d], ax)[coord[ax]] if shape[d] else 0
 
 
 def _fresh_grads(c: Compiled, backward: fx.GraphModule, positions: list[int]) -> int:

@@ -11,6 +11,10 @@ Two rules, one per kind of axis:
   ``size / batch``, which is what each rank holds after flattening its own rows. Splitting every
   dp-sharded dim this way keeps pieces consistent through views, so gathers and slices along it are
   exact.
+* **A ZeRO parameter shard** (``dp``, a dim dp does not divide) splits as DTensor does, like a model axis: the
+  parameter is a DTensor ``Shard(d)`` over dp. That is only possible where dp divides the global batch
+  (``Splitter.batch_even``): then no batch-derived dim is ever split unevenly over dp, so the two rules never
+  meet on one dim (the ``zero`` pass shards no dim unevenly otherwise).
 
 Even splits are the same under both rules.
 
@@ -109,9 +113,15 @@ class Splitter:
             return batch_sizes(total, n, self.batch)  # a multiple of the batch: even only if dp divides the batch
         if total % n == 0:
             return [total // n] * n
-        if self.names[ax] == BATCH_AXIS:
+        if self.names[ax] == BATCH_AXIS and not self.batch_even(n):
             return balanced_sizes(total, n)
-        return chunk_sizes(total, n)
+        return chunk_sizes(total, n)  # a model axis; or a ZeRO parameter shard over dp (see ``batch_even``)
+
+    def batch_even(self, n: int) -> bool:
+        """Whether dp (of ``n`` ranks) divides the known global batch. Then every batch-derived dim dp shards is a
+        multiple of dp, and a dim dp does not divide can only be a parameter's ZeRO shard (or a value computed
+        from one), split as DTensor splits it (``torch.chunk``)."""
+        return self.batch is not None and self.batch % n == 0
 
     def piece(self, total: int, ax: int, index: int) -> tuple[int, int]:
         """(start, length) of rank ``index``'s piece of a dim of ``total`` split over axis ``ax`` (contiguous splits

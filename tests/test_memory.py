@@ -104,6 +104,23 @@ def test_zero_prediction_equals_local_storage_after_a_real_step(zero: int) -> No
             assert (mem.params - psi, mem.grads - psi) == (r["params"], r["grads"]) == (psi // 2, psi // 2)
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_uneven_zero_shards_are_predicted_as_held(zero: int) -> None:
+    """dp=3 on widths it does not divide (hidden 40, intermediate 100, vocab 128): each rank holds DTensor's piece
+    of every parameter (14 or 13 rows of 40; 34, 34 or 32 of 100), and ``pm.memory`` says so on each rank."""
+    model_fn = partial(llama, n_layers=2, vocab_size=128, hidden=40, intermediate=100)
+    tokens = TOKENS[:6, :8] % 128
+    results = default_pool().run(measured_memory, 3, model_fn, {"dp": 3}, fxpar.Plan(zero=zero), tokens,
+                                 next_token_loss, timeout=300)
+    full = 4 * sum(p.numel() for p in model_fn().parameters())
+    assert sum(r["params"] for r in results) == full  # the pieces add up to the model, no padding held
+    for r in results:
+        mem, copy = r["predicted"], full if zero == 1 else 0
+        assert r["working_copy"] == copy
+        assert (mem.params - copy, mem.grads - copy, mem.optimizer) == (r["params"], r["grads"], r["optimizer"])
+    assert len({r["params"] for r in results}) == 2  # the last rank's pieces are smaller
+
+
 def test_pipeline_activations_are_the_sets_the_schedule_keeps_in_flight() -> None:
     # 1f1b on pp=2 with 4 microbatches: stage 0 holds 2 activation sets at once (gpipe would hold 4)
     plan = fxpar.Plan(stages=["layers.1"], schedule="1f1b", microbatches=4)

@@ -11,6 +11,7 @@ import torch
 import fxpar
 from fxpar.lower import py_name
 from fxpar.models.llama import llama, llama_plan
+from fxpar.split import chunk_sizes
 from fxpar.testing import assert_equivalent
 from fxpar.testing.error_models import next_token_loss
 
@@ -82,17 +83,50 @@ def test_zero1_ledger_with_tp_replicates_what_cannot_shard() -> None:
     assert gathered == tp_local and not [r for r in rows if r.op == "all_reduce"]
 
 
-def test_zero_that_shards_almost_nothing_says_so() -> None:
+ODD = {"n_layers": 2, "vocab_size": 128, "hidden": 40, "intermediate": 100}  # dp=3 divides none of these widths
+ODD_TOKENS = torch.randint(0, 128, (6, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_zero_shards_dims_dp_does_not_divide_as_fsdp2_does() -> None:
     """dp=3 divides no width of a power-of-two model: every parameter stayed replicated (plain data parallelism and
-    its memory) with no word; a bias of 3 among large weights is no reason to warn."""
+    its memory) behind a warning. Now each is a DTensor ``Shard`` split as ``torch.chunk`` splits it (pieces of
+    ``ceil(size / 3)`` first), so every rank holds about a third, and no warning."""
     tokens = torch.randint(0, 256, (6, 16))
-    message = r"Plan\(zero=3\) keeps 21 of 21 parameters \(100% .* over dp=3: .* 'embed.weight' \(256, 64\)"
-    with pytest.warns(fxpar.FxparWarning, match=message):
-        pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"dp": 3}, fake=True), (tokens,), plan=fxpar.Plan(zero=3))
-    assert pm.memory(0).params == sum(p.numel() for p in llama(n_layers=2).parameters()) * 4
+    model = llama(n_layers=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxpar.FxparWarning)
-        fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"dp": 2}, fake=True), (tokens,), plan=fxpar.Plan(zero=3))
+        pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 3}, fake=True), (tokens,), plan=fxpar.Plan(zero=3))
+    params = dict(model.named_parameters())
+    zero = pm._compiled.stages[0].notes["zero"]
+    assert set(zero) == set(params)
+    for rank in range(3):
+        own = sum(p.numel() // p.shape[zero[n]] * chunk_sizes(p.shape[zero[n]], 3)[rank] for n, p in params.items())
+        mem = pm.memory(rank)
+        assert (mem.params, mem.grads, mem.optimizer) == (4 * own, 4 * own, 8 * own)
+    # the ledger moves every parameter's padded pieces: 3 x ceil(size / 3) rows each
+    padded = sum(p.numel() // p.shape[zero[n]] * 3 * -(-p.shape[zero[n]] // 3) for n, p in params.items())
+    scattered = sum(r.bytes for r in pm.ledger(2) if r.op == "reduce_scatter")
+    assert scattered == 4 * padded
+
+
+def test_zero_with_a_batch_dp_does_not_divide_keeps_uneven_dims_replicated_and_says_so() -> None:
+    """With an uneven batch (7 at dp=3) the dp pieces of a dim dp does not divide follow the batch's split
+    (``torch.tensor_split``), not DTensor's: ZeRO shards such a dim only where the two agree (128 rows: 43, 43, 42
+    either way; 64 rows: 22, 21, 21 against 22, 22, 20), keeps the rest replicated (pm.memory counts them) and
+    says why."""
+    tokens = torch.randint(0, 256, (7, 16))
+    message = r"Plan\(zero=3\) keeps 11 of 21 parameters .* dp=3: .* global batch.* 'embed.weight' \(256, 64\)"
+    with pytest.warns(fxpar.FxparWarning, match=message):
+        pm = fxpar.parallelize(llama(n_layers=2), fxpar.Mesh({"dp": 3}, fake=True), (tokens,), plan=fxpar.Plan(zero=3))
+    replicated = pm._compiled.stages[0].notes["zero_replicated"]
+    assert all(p.shape[-1] == 64 and p.shape[0] != 128 for n, p in llama(n_layers=2).named_parameters()
+               if n in replicated)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_on_dims_dp_does_not_divide_matches_single_device(zero: int) -> None:
+    assert_equivalent(partial(llama, **ODD), {"dp": 3}, fxpar.Plan(zero=zero, microbatches=2 if zero == 2 else 1),
+                      (ODD_TOKENS,), steps=3, loss_fn=next_token_loss, targets=ODD_TOKENS)
 
 
 def test_zero2_hf_llama_dp4_microbatched_matches_single_device() -> None:

@@ -108,16 +108,14 @@ class CollectiveEmitter(Emitter):
         return sizes, starts, ceil, tail_padded
 
     def scatter(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
-                contiguous: bool = False, zero_shard: bool = False) -> fx.Node:
+                contiguous: bool = False) -> fx.Node:
         """Reduce-scatter ``x`` (a partial sum) over ``axis``, keeping this rank's slice of dim ``d``.
 
-        Uneven pieces are laid out as ``n`` pieces padded with zero rows to one size; this rank then keeps
-        its own rows of its piece. A ZeRO gradient shard (``zero_shard``) is split evenly: ZeRO shards a
-        parameter only on a dim dp divides.
+        Uneven pieces (``fxpar.split``: a ZeRO gradient shard of a dim dp does not divide among them) are laid out
+        as ``n`` pieces padded with zero rows to one size; this rank then keeps its own rows of its piece.
         """
         total = x.meta["val"].shape[d]
-        even = ([total // n] * n, [i * (total // n) for i in range(n)], total // n, True)
-        sizes, starts, ceil, tail_padded = even if zero_shard else self._pieces(total, axis)
+        sizes, starts, ceil, tail_padded = self._pieces(total, axis)
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
         if self.split.balanced(total, self.mesh.axis_index(axis)):
@@ -135,6 +133,8 @@ class CollectiveEmitter(Emitter):
         mine = sizes[0] if sizes[0] == sizes[-1] else sizes[self.coord[self.mesh.axis_index(axis)]]
         if mine != ceil:
             y = self.emit(aten.slice.Tensor, (y, 0, 0, mine), placements=after, module=module)
+            if contiguous and not d:  # a piece of its own (a ZeRO gradient shard holds only its rows)
+                y = self.emit(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, module=module)
         return self._moved_back(y, d, after, module, contiguous)
 
     def gather(self, x: fx.Node, d: int, n: int, g: str, axis: str, after: Any, module: str,
@@ -145,11 +145,11 @@ class CollectiveEmitter(Emitter):
         uneven = len(set(sizes)) > 1
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
         x0 = self.emit(aten.clone.default, (x0,), {"memory_format": torch.contiguous_format}, module=module)
+        dtype = x0.meta["val"].dtype
+        if dtype in FLOAT8:  # gloo has no float8 type: the bytes move as uint8 (and are padded as such)
+            x0 = self.emit(aten.view.dtype, (x0, torch.uint8), module=module)
         if uneven:
             x0 = self._pad_rows(x0, ceil, module)
-        dtype = x0.meta["val"].dtype
-        if dtype in FLOAT8:  # gloo has no float8 type: the bytes move as uint8
-            x0 = self.emit(aten.view.dtype, (x0, torch.uint8), module=module)
         c = self.emit(c10d.all_gather_into_tensor.default, (x0, n, g), placements=after, module=module,
                       name=f"{x.name}_allgather")
         y = self.emit(c10d.wait_tensor.default, (c,), placements=after, module=module, name=f"{x.name}_gathered")
@@ -160,6 +160,8 @@ class CollectiveEmitter(Emitter):
             y = self.balanced_order(y, n, module, to_ranks=False, after=after)
         if uneven and tail_padded:
             y = self.emit(aten.slice.Tensor, (y, 0, 0, total), placements=after, module=module)
+            if contiguous and not d:  # a tensor of its own (a ZeRO working copy holds no padding)
+                y = self.emit(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, module=module)
         elif uneven:
             rows = [self.emit(aten.slice.Tensor, (y, 0, i * ceil, i * ceil + size), module=module)
                     for i, size in enumerate(sizes) if size]

@@ -10,9 +10,10 @@ where the backward reads one). Under mixed precision the bucket's casts (each ru
 
 FSDP2 gathers and reduce-scatters one flat buffer per parameter group; so does fxpar per ``zero_buckets`` bucket
 (``passes/overlap.py``: backward order, cut at ``bucket_mb`` and at every change of repeated block). Parameter ``p``
-is sharded over dp on dim ``d`` (which dp divides), so moving ``d`` to the front and viewing ``p`` as ``[n, k]``
-(``n`` = dp, ``k`` = its shard's elements) puts rank ``r``'s shard in row ``r``. A bucket is the row-wise
-concatenation ``[n, sum k]``: rank ``r``'s row is its shards back to back, the layout both
+is sharded over dp on dim ``d``, so moving ``d`` to the front and viewing ``p`` as ``[n, k]`` (``n`` = dp, ``k`` =
+its shard's elements) puts rank ``r``'s shard in row ``r``; a dim dp does not divide (DTensor's uneven split,
+``fxpar.split``) is first padded with zero rows to ``n`` pieces of its largest, so every row has one size. A
+bucket is the row-wise concatenation ``[n, sum k]``: rank ``r``'s row is its shards back to back, the layout both
 ``all_gather_into_tensor`` (of the rows) and ``reduce_scatter_tensor`` (into them) work on.
 """
 
@@ -38,6 +39,20 @@ class FlatBuckets:
     def zero_units(self) -> dict[str, str]:
         """Each parameter's ZeRO group (``fxpar.passes.overlap.block_units``), computed once per lowering."""
         return block_units([fqn for fqn, _ in self.prog.signature.params])
+
+    def zero_total(self, fqn: str) -> int:
+        """The size of ``fqn``'s ZeRO dim (no other axis shards it: global = tp-local)."""
+        name = next(n for f, n in self.prog.signature.params if f == fqn)
+        return self.prog.node(name).meta["val"].shape[self.zero[fqn]]
+
+    def zero_sizes(self, total: int) -> list[int]:
+        """Every dp rank's rows of a ZeRO dim of ``total`` (DTensor's split where dp does not divide it)."""
+        return self.split.sizes(total, self.mesh.axis_index("dp"))
+
+    def zero_rows(self, total: int) -> int:
+        """This rank's rows of a ZeRO dim of ``total`` (its dp coordinate is read only where pieces differ)."""
+        sizes = self.zero_sizes(total)
+        return sizes[0] if len(set(sizes)) == 1 else sizes[self.coord[self.mesh.axis_index("dp")]]
 
     def zero_buckets(self, fqns: list[str]) -> list[list[str]]:
         """``fqns`` (ZeRO shards) as the overlap pass bucketed them; one per bucket otherwise (no overlap)."""
@@ -132,29 +147,38 @@ class FlatBuckets:
             return blocks.pop()
         return f"bucket of {len(fqns)}: {fqns[0]} .. {fqns[-1]}"
 
-    def _rows(self, x: fx.Node, d: int, n: int, module: str) -> fx.Node:
-        """``x`` with dim ``d`` moved to the front, as ``[n, -1]`` (row ``r``: the piece rank ``r`` holds)."""
+    def _rows(self, x: fx.Node, d: int, n: int, module: str, rows: int | None = None) -> fx.Node:
+        """``x`` with dim ``d`` moved to the front, padded with zero rows to ``rows`` there (uneven pieces: every
+        rank's row of a bucket has one size), as ``[n, -1]`` (row ``r``: the piece rank ``r`` holds)."""
         x0 = self.emit(aten.movedim.int, (x, d, 0), module=module) if d else x
+        if rows is not None and rows != x0.meta["val"].shape[0]:
+            x0 = self._pad_rows(x0, rows, module)
         return self.emit(aten.reshape.default, (x0, [n, -1]), module=module)
 
-    def _unrow(self, rows: fx.Node, start: int, like: list[int], d: int, module: str) -> fx.Node:
+    def _unrow(self, rows: fx.Node, start: int, like: list[int], d: int, module: str, keep: int | None = None
+               ) -> fx.Node:
         """Columns ``start:`` of ``rows`` (``[m, total]``) as a tensor of shape ``like`` (dim ``d`` first, m rows
-        of it stacked), moved back to dim ``d`` and made contiguous."""
+        of it stacked), its first ``keep`` rows (the padding of uneven pieces cut off), moved back to dim ``d`` and
+        made contiguous."""
         k = 1
         for s in like[1:]:
             k *= s
         k *= like[0] // rows.meta["val"].shape[0]
         piece = self.emit(aten.slice.Tensor, (rows, 1, start, start + k), module=module)
         y = self.emit(aten.reshape.default, (piece, like), module=module)
+        if keep is not None and keep != like[0]:
+            y = self.emit(aten.slice.Tensor, (y, 0, 0, keep), module=module)
         if d:
             y = self.emit(aten.movedim.int, (y, 0, d), module=module)
         return self.emit(aten.clone.default, (y,), {"memory_format": torch.contiguous_format}, module=module)
 
     def scatter_bucket(self, grads: list[tuple[str, fx.Node]]) -> dict[str, fx.Node]:
-        """One reduce-scatter over dp of the whole gradients ``grads``: each rank keeps its ZeRO shard of each."""
+        """One reduce-scatter over dp of the whole gradients ``grads``: each rank keeps its ZeRO shard of each (a
+        dim dp does not divide is padded to ``dp`` pieces of its largest, and this rank's rows kept)."""
         n, fqns = self.mesh.axes["dp"], [fqn for fqn, _ in grads]
         module = self._bucket_name(fqns)
-        rows = [self._rows(g, self.zero[fqn], n, fqn) for fqn, g in grads]
+        rows = [self._rows(g, self.zero[fqn], n, fqn, n * max(self.zero_sizes(self.zero_total(fqn))))
+                for fqn, g in grads]
         buf = self.emit(aten.cat.default, (rows, 1), module=module) if len(rows) > 1 else rows[0]
         y = self.emit(c10d.reduce_scatter_tensor.default, (buf, "sum", n, self.group("dp")), module=module,
                       name=f"bucket_{grads[0][1].name}_reducescatter")
@@ -162,18 +186,20 @@ class FlatBuckets:
         mine = self.emit(c10d.wait_tensor.default, (y,), module=module, name=f"bucket_{grads[0][1].name}_scattered")
         out, start = {}, 0
         for (fqn, g), row in zip(grads, rows, strict=True):
-            d = self.zero[fqn]
+            d, total = self.zero[fqn], self.zero_total(fqn)
             shape = list(g.meta["val"].shape)
-            like = [shape[d] // n, *shape[:d], *shape[d + 1:]]
-            out[fqn] = self._unrow(mine, start, like, d, fqn)
+            like = [max(self.zero_sizes(total)), *shape[:d], *shape[d + 1:]]
+            out[fqn] = self._unrow(mine, start, like, d, fqn, keep=self.zero_rows(total))
             start += row.meta["val"].shape[1]
         return out
 
     def gather_bucket(self, shards: list[tuple[str, fx.Node]]) -> dict[str, fx.Node]:
-        """One all-gather over dp of the ZeRO shards ``shards``: each parameter whole (tp-local), contiguous."""
+        """One all-gather over dp of the ZeRO shards ``shards``: each parameter whole (tp-local), contiguous (an
+        uneven shard is padded to the largest piece, and the padding cut off after)."""
         n, fqns = self.mesh.axes["dp"], [fqn for fqn, _ in shards]
         module = self._bucket_name(fqns)
-        rows = [self._rows(s, self.zero[fqn], 1, fqn) for fqn, s in shards]
+        rows = [self._rows(s, self.zero[fqn], 1, fqn, max(self.zero_sizes(self.zero_total(fqn))))
+                for fqn, s in shards]
         buf = self.emit(aten.cat.default, (rows, 1), module=module) if len(rows) > 1 else rows[0]
         c = self.emit(c10d.all_gather_into_tensor.default, (buf, n, self.group("dp")), module=module,
                       name=f"bucket_{shards[0][1].name}_allgather")
@@ -181,10 +207,10 @@ class FlatBuckets:
         self.record("all_gather", "dp", gathered.meta["val"], c)
         out, start = {}, 0
         for (fqn, s), row in zip(shards, rows, strict=True):
-            d = self.zero[fqn]
+            d, total = self.zero[fqn], self.zero_total(fqn)
             shape = list(s.meta["val"].shape)
-            like = [shape[d] * n, *shape[:d], *shape[d + 1:]]
-            out[fqn] = self._unrow(gathered, start, like, d, fqn)
+            like = [n * max(self.zero_sizes(total)), *shape[:d], *shape[d + 1:]]
+            out[fqn] = self._unrow(gathered, start, like, d, fqn, keep=total)
             start += row.meta["val"].shape[1]
         return out
 
@@ -205,7 +231,7 @@ class FlatBuckets:
         d, dp = self.zero[fqn], self.mesh.axes["dp"]
         full = ph.meta["val"]
         shape = list(full.shape)
-        shape[d] //= dp
+        shape[d] = self.zero_rows(shape[d])
         with self.fake:
             ph.meta["val"] = torch.empty(shape, dtype=full.dtype, device=full.device)
         placements = list(ph.meta["placements"])
@@ -216,7 +242,8 @@ class FlatBuckets:
         if len(bucket) > 1:  # the first use gathers the whole bucket in one flat all-gather (``fxpar.lower.flat``)
             self.env.lazy[name] = lambda: self.gathered_in_bucket(fqn, bucket)
         else:
-            self.env.lazy[name] = lambda: self.gather(ph, d, dp, self.group("dp"), "dp", after, fqn, contiguous=True)
+            self.env.lazy[name] = lambda: self.gather(ph, d, dp, self.group("dp"), "dp", after, fqn, contiguous=True,
+                                                      total=full.shape[d])
 
     def is_own_shard(self, producer: str, dst: Placements, steps: tuple[Step, ...]) -> bool:
         """Whether ``producer`` is a ZeRO-3 parameter asked for as exactly the dp shard it is stored as."""

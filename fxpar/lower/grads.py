@@ -55,7 +55,7 @@ class StepCollectives:
             for fqn, name in self._zero_params():
                 val = self.prog.node(name).meta["val"]
                 shape = self.split.local_shape(val.shape, self.prog.placements[name], self.coord)
-                shape[self.zero[fqn]] //= dp
+                shape[self.zero[fqn]] = self.zero_rows(shape[self.zero[fqn]])
                 shards[fqn] = ph = self.graph.placeholder(f"shard_{py_name(fqn)}")
                 with self.fake:
                     ph.meta["val"] = torch.empty(shape, dtype=val.dtype)
@@ -69,7 +69,7 @@ class StepCollectives:
                     if len(bucket) == 1:
                         fqn = bucket[0]
                         results[fqn] = self.gather(moved[fqn], self.zero[fqn], dp, self.group("dp"), "dp", None,
-                                                   fqn, contiguous=True)
+                                                   fqn, contiguous=True, total=self.zero_total(fqn))
                     elif bucket:
                         results.update(self.gather_bucket(list(moved.items())))
             self.graph.output(tuple(results[fqn] for fqn in shards))
@@ -161,7 +161,7 @@ class StepCollectives:
                     elif len(bucket) == 1:  # ZeRO: each rank keeps its parameter's shard
                         results[bucket[0]] = self.scatter(results[bucket[0]], self.zero[bucket[0]],
                                                           self.mesh.axes["dp"], self.group("dp"), "dp", None, bucket[0],
-                                                          contiguous=True, zero_shard=True)
+                                                          contiguous=True)
                     else:  # one flat reduce-scatter of the bucket (``fxpar.lower.flat``)
                         results.update(self.scatter_bucket([(fqn, results[fqn]) for fqn in bucket]))
             self.graph.output(tuple(self._cast(results[fqn], placeholders[fqn].meta["val"].dtype, fqn)
