@@ -3,6 +3,12 @@
 One command, one launch of 2 gloo ranks (``dp=2``), about a minute on 2 cores::
 
     .venv/bin/python bench/zero.py
+    .venv/bin/python bench/zero.py --dp3     # 3 ranks, batch 6: dp divides no width (uneven ZeRO shards)
+
+With ``--dp3`` every parameter's sharded dim is one 3 does not divide (hidden 256, intermediate 512, vocab 512):
+fxpar and FSDP2 both split it as ``torch.chunk`` does (256 rows: 86, 86 and 84 on both) and pad
+each piece to the largest inside the collectives, so both move a little more than Psi. Results go to the
+``zero_dp3`` section.
 
 Same model (the bundled Llama, seed 0), same global batch, fp32 AdamW. Per system and rank, after warm-up:
 
@@ -111,12 +117,12 @@ class Counter:
 
 def build(name: str, model: Llama, tokens: torch.Tensor, counter: Counter) -> tuple[Any, Any, Any]:
     """(step function, optimizer, the module holding the parameters) for one system on this rank."""
-    rank = dist.get_rank()
-    local = tokens.chunk(DP)[rank]
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    local = tokens.chunk(dp)[rank]
     m = copy.deepcopy(model)
     if name.startswith("fxpar"):
         zero = int(name[-1])
-        pm = fxpar.parallelize(m, fxpar.Mesh({"dp": DP}), (tokens,), plan=fxpar.Plan(zero=zero),
+        pm = fxpar.parallelize(m, fxpar.Mesh({"dp": dp}), (tokens,), plan=fxpar.Plan(zero=zero),
                                loss_fn=next_token_loss, example_targets=tokens)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         return (lambda: pm.step(local, local)), opt, pm
@@ -146,10 +152,10 @@ def _global_mean(loss: torch.Tensor) -> torch.Tensor:
     return value / dist.get_world_size()
 
 
-def rank_main() -> dict[str, Any]:
+def rank_main(batch: int = BATCH) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**CONFIG))
-    tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ))
+    tokens = torch.randint(0, CONFIG["vocab_size"], (batch, SEQ))
     counter = Counter()
     counter.patch_fsdp()
     runs = {name: build(name, model, tokens, counter) for name in SYSTEMS}
@@ -201,15 +207,17 @@ def report(res: dict[str, Any], psi: int) -> list[str]:
 def main() -> None:
     from fxpar.testing.launch import run_ranks
 
-    args = bench_args(__doc__)
+    args = bench_args(__doc__, flags=(("--dp3", "3 ranks, batch 6: widths dp does not divide"),))
+    dp, batch, name = (3, 6, "zero_dp3") if args.dp3 else (DP, BATCH, "zero")
     t0 = time.perf_counter()
-    results = run_ranks(rank_main, DP, timeout=600, collective_timeout=120)
+    results = run_ranks(rank_main, dp, batch, timeout=900, collective_timeout=120)
     psi = sum(p.numel() * 4 for p in Llama(LlamaConfig(**CONFIG)).parameters())
-    lines = [f"`{COMMAND}` (dp=2, 2 gloo ranks; Llama {CONFIG['n_layers']} layers, hidden {CONFIG['hidden']}, "
-             f"vocab {CONFIG['vocab_size']}; batch {BATCH} x seq {SEQ}; Psi = {psi:,} B; rank 0's numbers; step "
+    command = COMMAND + (" --dp3" if args.dp3 else "")
+    lines = [f"`{command}` (dp={dp}, {dp} gloo ranks; Llama {CONFIG['n_layers']} layers, hidden {CONFIG['hidden']}, "
+             f"vocab {CONFIG['vocab_size']}; batch {batch} x seq {SEQ}; Psi = {psi:,} B; rank 0's numbers; step "
              f"time max over ranks, median of {STEPS} steps in {ROUNDS} interleaved rounds)", "",
              *report(results[0], psi)]
-    publish_gloo_run("zero", "zero", COMMAND, lines, results, t0, not args.no_readme, CONFIG, BATCH, SEQ, psi=psi)
+    publish_gloo_run(name, name, command, lines, results, t0, not args.no_readme, CONFIG, batch, SEQ, psi=psi)
 
 
 if __name__ == "__main__":
