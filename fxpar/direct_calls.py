@@ -7,6 +7,13 @@ of a step (bench/README.md section 14). ``direct_calls(gm)`` runs the same gener
 ``torch.ops.<namespace>.<op>.<overload>`` bound to that overload's ``_op``: the same kernels, arguments and order.
 ``FXPAR_DIRECT_CALLS=0`` runs the ``GraphModule`` as it is, but for ``overrides``: ops bound to another
 implementation of the same semantics (gloo's collectives through the classic API, ``fxpar.backends.classic``).
+
+One op is always bound to a function of its own: ``aten.view`` copies (``reshape``) where the real tensor's strides
+do not allow the view. The graphs were traced on fake tensors, and a few CPU kernels lay their outputs out
+otherwise than their fake implementation says (eval-mode ``BatchNorm1d`` on a transposed ``[b, c, s]`` activation:
+a contiguous output where the fake one keeps the input's strides), so a ``view`` the trace proved valid fails
+when it runs ("view size is not compatible"); ``torch.compile(backend="aot_eager")`` fails the same way on the
+single device. The values are the same either way.
 """
 
 from __future__ import annotations
@@ -22,6 +29,15 @@ from torch._ops import OpOverload
 
 DIRECT_CALLS_ENV = "FXPAR_DIRECT_CALLS"
 _CALL = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
+_VIEW, _RESHAPE = torch.ops.aten.view.default._op, torch.ops.aten.reshape.default._op
+
+
+def view_or_copy(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """``x.view(shape)``, or ``x.reshape(shape)`` where ``x``'s real strides do not allow a view (see above)."""
+    try:
+        return _VIEW(x, shape)
+    except RuntimeError:
+        return _RESHAPE(x, shape)
 
 
 def direct_calls(gm: fx.GraphModule, overrides: Mapping[OpOverload, Callable[..., Any]] | None = None
@@ -36,6 +52,7 @@ def direct_calls(gm: fx.GraphModule, overrides: Mapping[OpOverload, Callable[...
     overrides = dict(overrides or {})
     if not direct and not overrides:
         return gm
+    overrides.setdefault(torch.ops.aten.view.default, view_or_copy)
     state: dict[str, Any] = {"code": None, "forward": None}
 
     def run(*args: Any) -> Any:

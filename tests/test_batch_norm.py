@@ -13,7 +13,13 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.testing import assert_equivalent
-from fxpar.testing.user_models import hf_convnext_drop_path, hf_resnet, running_features, tiny_resnet
+from fxpar.testing.user_models import (
+    frozen_channel_norm,
+    hf_convnext_drop_path,
+    hf_resnet,
+    running_features,
+    tiny_resnet,
+)
 
 IMAGES = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
 LABELS = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
@@ -89,3 +95,10 @@ def test_hf_image_models_in_training_mode_match_the_single_device(model_fn: obje
     images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(4))
     assert_equivalent(model_fn, {"dp": 2}, None, {"pixel_values": images}, steps=3, loss_fn=image_cross_entropy,
                       targets=LABELS[:4] % 5)
+
+
+def test_a_frozen_batch_norm_over_transposed_channels_runs_and_matches() -> None:
+    """The frozen BatchNorm1d's CPU kernel lays out its output otherwise than its fake tensor: the rank program's
+    ``view`` after it failed at the first step ("view size is not compatible"); it now copies there."""
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(5))
+    assert_equivalent(frozen_channel_norm, {"dp": 2}, None, (x,), steps=3)

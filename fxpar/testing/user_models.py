@@ -216,6 +216,33 @@ def running_features() -> RunningFeatures:
     return RunningFeatures()
 
 
+class FrozenChannelNorm(nn.Module):
+    """A Linear over features, then an eval-mode (frozen) ``BatchNorm1d`` over them as channels of a transposed
+    ``[b, c, s]`` activation, as a conformer's convolution module runs it. The CPU kernel returns a contiguous
+    output where the fake tensor keeps the transposed strides, so the ``view`` after it failed in the rank program
+    (``fxpar.direct_calls.view_or_copy``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.bn, self.down = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+        self.bn.eval().requires_grad_(False)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.bn(self.up(x).transpose(1, 2)).transpose(1, 2))
+
+    def train(self, mode: bool = True) -> FrozenChannelNorm:
+        super().train(mode)
+        self.bn.eval()  # frozen: statistics read, never updated
+        return self
+
+
+def frozen_channel_norm() -> FrozenChannelNorm:
+    return FrozenChannelNorm()
+
+
 def hf_resnet() -> nn.Module:
     """HF ``ResNetForImageClassification`` (BatchNorm in training mode), tiny widths; needs ``transformers``."""
     from transformers import ResNetConfig, ResNetForImageClassification
