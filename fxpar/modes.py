@@ -125,7 +125,8 @@ class ModeSwitching:
         stage_buffers: dict[int, list[torch.Tensor]] = {}
         runners: dict[int, Any] = {}
         if self._rank is not None:
-            buffers = {**dict(source.model.named_buffers()), **dict(self.named_buffers())}  # trained statistics
+            buffers = {**dict(source.model.named_buffers(remove_duplicate=False)),  # trained statistics
+                       **dict(self.named_buffers())}
             stage_buffers, runners = bind_runners(self, compiled, buffers, self._rank,
                                                   non_persistent_buffers(source.model))
         run = ModeRun(compiled, stage_buffers, runners, None, InputCheck(compiled, self._rank), None)

@@ -175,7 +175,7 @@ def materialize(root: torch.nn.Module, compiled: Compiled, model: torch.nn.Modul
                 raise ValueError(f"parameter {fqn!r} is on the meta device: initialize it before running")
             dt = compact(distribute_tensor(p.detach().to(_device(mesh)), pmesh, param_placements(prog, fqn, name)))
             register_param(root, fqn, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
-    stage_buffers, runners = bind_runners(root, compiled, dict(model.named_buffers()), rank,
+    stage_buffers, runners = bind_runners(root, compiled, dict(model.named_buffers(remove_duplicate=False)), rank,
                                           non_persistent_buffers(model))
     pp_group = mesh.device_mesh().get_group("pp") if mesh.axes.get("pp", 1) > 1 else None
     return stage_buffers, runners, _tie_groups(compiled, rank), pp_group

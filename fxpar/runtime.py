@@ -114,7 +114,7 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
         self.timings: dict[str, float] = dict(compiled.timings)
         self._save_sources = SaveSources({}, {}, loss_fn)
         if model is not None:  # what pm.save writes beside the programs (references, no copies)
-            self._save_sources = SaveSources(dict(model.named_buffers()),
+            self._save_sources = SaveSources(dict(model.named_buffers(remove_duplicate=False)),
                                              {fqn: p.requires_grad for fqn, p in model.named_parameters()}, loss_fn,
                                              non_persistent_buffers(model))
         if rank is not None and model is not None:

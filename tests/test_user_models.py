@@ -11,7 +11,7 @@ import fxpar
 from fxpar.testing import assert_equivalent
 from fxpar.testing.block_models import encoder_decoder
 from fxpar.testing.loss_models import mean_square
-from fxpar.testing.state_models import call_counter
+from fxpar.testing.state_models import call_counter, shared_table_stack
 from fxpar.testing.titan_llama import TITAN_TP, titan_llama, token_cross_entropy
 from fxpar.testing.user_models import (
     SHARED_LAYERS_TP,
@@ -184,3 +184,9 @@ def test_a_counter_no_input_reaches_is_kept_by_its_pipeline_stage() -> None:
     tokens = torch.randint(0, 96, (8, 17), generator=torch.Generator().manual_seed(1))
     assert_equivalent(call_counter, {"pp": 2}, fxpar.Plan(stages=["b"]), (tokens[:, :-1],), steps=2,
                       loss_fn=token_cross_entropy, targets=tokens[:, 1:])
+
+
+def test_a_buffer_every_layer_shares_is_found_under_each_of_its_names() -> None:
+    """A table module held by every layer: the program reads its buffer under each layer's name, while the model's
+    ``named_buffers()`` lists it once; building the rank's module failed with ``KeyError: 'layers.1.rot.freq'``."""
+    assert_equivalent(shared_table_stack, {"dp": 2}, None, (torch.randn(8, 16),), steps=2)

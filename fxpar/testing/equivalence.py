@@ -366,7 +366,7 @@ def _compare_grads_and_step(case: Case, pm: fxpar.ParallelModule, reference: tor
         extra = case.lr * slack[name] if name in slack else None
         _compare_param(f"{name} after step {step + 1}", p.data, ref_params[name].data, step, param_tol, report,
                        coord, sizes, absolute=True, extra_atol=extra)
-    ref_buffers = dict(reference.named_buffers())
+    ref_buffers = dict(reference.named_buffers(remove_duplicate=False))
     for name, b in pm.named_buffers():  # the buffers the forward writes (BatchNorm's running statistics)
         _compare(f"buffer {name} after step {step + 1}", b, ref_buffers[name], step, tol, report)
 

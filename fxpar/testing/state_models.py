@@ -43,3 +43,45 @@ class CallCounter(nn.Module):
 def call_counter() -> CallCounter:
     torch.manual_seed(0)
     return CallCounter()
+
+
+class _Rotation(nn.Module):
+    """A parameter-less module holding a frequency table (a rotary table's role)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.cos(self.freq)
+
+
+class _RotatedLayer(nn.Module):
+    def __init__(self, width: int, rotation: _Rotation) -> None:
+        super().__init__()
+        self.rot, self.lin = rotation, nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.rot(x)))
+
+
+class SharedTableStack(nn.Module):
+    """Every layer holds the same ``_Rotation`` child: its buffer has one name per layer in the state dict
+    (``layers.0.rot.freq`` .. ``layers.3.rot.freq``) and one tensor."""
+
+    def __init__(self, width: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        rotation = _Rotation(width)
+        self.inp, self.head = nn.Linear(width, width), nn.Linear(width, 4)
+        self.layers = nn.ModuleList(_RotatedLayer(width, rotation) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def shared_table_stack() -> SharedTableStack:
+    torch.manual_seed(0)
+    return SharedTableStack()
