@@ -12,9 +12,10 @@ they would run the same way.
   export (``fxpar.stitch``), not between two calls (a variable rebound between two calls of one block is the
   one change this misses).
 
-A value is keyed by value when it is plain data, by its plain contents one level down for a container or an
-object (a config, a helper: a field changed in place between two calls tells them apart), and by identity
-otherwise (a function, a class, a module).
+A value is keyed by value when it is plain data; a container, an object, a module the block holds without
+registering it, or a class is keyed by identity and by its contents, three levels down (a config's nested field,
+a class attribute, a global dict's nested entry: a field changed in place between two calls tells them apart), up
+to 256 entries in all; beyond that, and for a function, a Python module or a tensor, by identity alone.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ _FXPAR = os.path.dirname(sys.modules["fxpar"].__file__) + os.sep
 _NOT_MODEL_CODE = (os.path.dirname(torch.__file__) + os.sep, _FXPAR)
 _BUNDLED_MODELS = tuple(_FXPAR + d + os.sep for d in ("models", "testing"))  # user code that fxpar ships
 _STDLIB = (sysconfig.get_paths()["stdlib"], "<frozen")
-_FOLDED = 256  # containers and objects longer than this are keyed by identity (not read one level down)
+_DEPTH = 3  # levels of containers and objects a value's key reads (below: by identity)
+_BUDGET = 256  # entries a value's key reads in all (a larger container or object is keyed by identity)
 
 
 def plain_key(v: Any) -> tuple[Any, ...]:
@@ -55,50 +57,63 @@ def plain_key(v: Any) -> tuple[Any, ...]:
     return (type(v).__name__, v)
 
 
-def value_key(v: Any, depth: int = 1) -> Any:
+def value_key(v: Any, depth: int = _DEPTH) -> Any:
     """A hashable key equal for two values the block's code would treat alike (see the module docstring)."""
+    return _key(v, depth, [_BUDGET])
+
+
+def _key(v: Any, depth: int, budget: list[int]) -> Any:
+    budget[0] -= 1
     if isinstance(v, PLAIN):
         return plain_key(v)
     if isinstance(v, Snapshot):
         return ("snapshot", v.key)
-    if isinstance(v, (types.ModuleType, type, torch.Tensor, torch.nn.Module)):  # not asked for attributes below (a
-        return ("id", id(v))  # lazy module's ``__getattr__`` may import)
+    if isinstance(v, (types.ModuleType, torch.Tensor)):  # not asked for attributes (a lazy module's may import)
+        return ("id", id(v))
     if isinstance(v, functools.partial):  # e.g. an activation's per-layer partial(gelu, approximate="tanh")
-        return ("partial", value_key(v.func), tuple(map(value_key, v.args)),
-                tuple(sorted((k, value_key(x)) for k, x in v.keywords.items())))
+        return ("partial", _key(v.func, depth, budget), tuple(_key(x, depth, budget) for x in v.args),
+                tuple(sorted((k, _key(x, depth, budget)) for k, x in v.keywords.items())))
     if hasattr(v, "cast_key"):  # ``fxpar.mixed_precision``'s casting forward: a closure per module, same behaviour
         original = v.original
-        return ("cast", value_key(getattr(original, "__func__", original)), v.cast_key)
+        return ("cast", _key(getattr(original, "__func__", original), depth, budget), v.cast_key)
     if isinstance(v, (tuple, list, frozenset)) and all(isinstance(x, PLAIN) for x in v):
         return (type(v).__name__, tuple(map(plain_key, v)))
     if isinstance(v, types.MethodType):  # made anew at every access: the function, and whose method it is
         owner = v.__self__
-        return ("method", id(v.__func__), "module" if isinstance(owner, torch.nn.Module) else value_key(owner, 0))
-    if depth > 0 and isinstance(v, types.FunctionType) and v.__closure__:  # a closure made per module or call: its code
-        return ("closure", id(v.__code__), tuple(_cell_key(c) for c in v.__closure__))  # and what it closes over
+        return ("method", id(v.__func__), "module" if isinstance(owner, torch.nn.Module) else _key(owner, 0, budget))
+    if depth > 0 and isinstance(v, types.FunctionType) and v.__closure__:  # a closure made per module or call: its
+        return ("closure", id(v.__code__), tuple(_cell_key(c, budget) for c in v.__closure__))  # code, what it holds
     if depth == 0 or isinstance(v, (types.FunctionType, types.BuiltinFunctionType)):
         return ("id", id(v))
     contents = _contents(v)
-    if contents is None or len(contents) > _FOLDED:
+    if contents is None or len(contents) > max(budget[0], 0):  # too large to read: by identity
         return ("id", id(v))
-    return ("id", id(v), tuple((k, value_key(x, depth - 1)) for k, x in contents))
+    return ("id", id(v), tuple((k, _key(x, depth - 1, budget)) for k, x in contents))
 
 
-def _cell_key(cell: Any) -> Any:
+def _cell_key(cell: Any, budget: list[int]) -> Any:
     try:
-        return value_key(cell.cell_contents, 0)
+        return _key(cell.cell_contents, 0, budget)
     except ValueError:  # an empty cell
         return "empty"
 
 
 def _contents(v: Any) -> list[tuple[Any, Any]] | None:
-    """A container's items or an object's fields, one level down (None: nothing to read)."""
+    """A container's items, an object's fields, a module's own fields (not its parameters, buffers or children,
+    known by identity) or a class's data attributes, one level down (None: nothing to read)."""
     if isinstance(v, dict):
         return [(k, x) for k, x in v.items() if isinstance(k, PLAIN)]
     if isinstance(v, (list, tuple)):
         return list(enumerate(v))
+    if isinstance(v, type):
+        return [(k, x) for k, x in vars(v).items() if not k.startswith("__") and not callable(x)
+                and not isinstance(x, (staticmethod, classmethod, property))]
     fields = getattr(v, "__dict__", None)
-    return list(fields.items()) if isinstance(fields, dict) else None
+    if not isinstance(fields, dict):
+        return None
+    if isinstance(v, torch.nn.Module):
+        return [(k, x) for k, x in fields.items() if k not in MODULE_INTERNALS and k != "_fxpar_reads"]
+    return list(fields.items())
 
 
 class Snapshot:
@@ -169,15 +184,26 @@ def _record_globals(reads: dict[tuple[str, ...], Any], frame: Any, event: str, a
     return None
 
 
-@functools.cache
 def _loaded_names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """The globals a code object loads and its closure variables; None for code that is not the model's (torch's,
-    nn.Module's own, fxpar's, the standard library's)."""
-    path = code.co_filename
-    if (path.startswith(_NOT_MODEL_CODE) and not path.startswith(_BUNDLED_MODELS)) or path.startswith(_STDLIB):
+    nn.Module's own, fxpar's, the standard library's). Cached by file and code: two code objects compare equal
+    when only their files differ."""
+    return _names_in(code.co_filename, code)
+
+
+@functools.cache
+def _names_in(path: str, code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    if (path.startswith(_NOT_MODEL_CODE) and not path.startswith(_BUNDLED_MODELS)) or _in_stdlib(path):
         return None
     loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
     return tuple(sorted(loaded)), code.co_freevars
+
+
+def _in_stdlib(path: str) -> bool:
+    """Whether ``path`` is the standard library's: under its folder but not in a ``site-packages`` there (a plain or
+    conda Python installs packages, a model's among them, inside the standard library's folder)."""
+    return path.startswith(_STDLIB) and f"{os.sep}site-packages{os.sep}" not in path \
+        and f"{os.sep}dist-packages{os.sep}" not in path
 
 
 _RECORDING: dict[type, type] = {}

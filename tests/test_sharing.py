@@ -116,13 +116,16 @@ def test_layers_differing_in_plain_attributes_are_captured_apart(monkeypatch: py
         assert f", {value})" in programs[True]
 
 
-@pytest.mark.parametrize("source", ["global_dict", "global_float", "helper", "module_arg", "dict_read"])
+@pytest.mark.parametrize("source", ["global_dict", "global_float", "helper", "module_arg", "dict_read", "class_attr",
+                                    "nested_global", "nested_dict", "deep_attribute", "held_module",
+                                    "nested_argument"])
 def test_a_block_reading_state_the_model_changes_between_layers_is_not_shared_wrongly(
         source: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The model sets a global (a dict entry, a rebound float), a field of a helper every layer holds or of a module
     it passes, before each layer, or one layer has an attribute read through ``self.__dict__``: each layer got the
-    first layer's (or the last's) value baked in with sharing on (a wrong answer on gloo). The programs must be
-    sharing off's."""
+    first layer's (or the last's) value baked in with sharing on (a wrong answer on gloo). So it did for a value
+    read deeper: a class attribute, a field two levels below a global, a block attribute or an argument, a global
+    dict's nested entry, a module the block holds without registering it. The programs must be sharing off's."""
     from fxpar.testing.block_models import OutsideState
 
     x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)),)

@@ -115,6 +115,7 @@ def skip_stack() -> SkipStack:
 
 
 _SCALES = {"scale": 1.0}  # a module-level dict the model sets before each layer
+_NESTED_SCALES = {"attn": {"scale": 1.0}}  # the same, two levels down
 SCALE = 1.0  # a module-level float the model rebinds before each layer
 
 
@@ -123,6 +124,11 @@ class _Helper:
 
     def __init__(self) -> None:
         self.k = 1.0
+        self.inner = _Inner()
+
+
+class _Inner:
+    scale = 1.0  # a class attribute the model sets (``_Inner.scale``); instances read it unless they set their own
 
 
 class _Gain(nn.Module):
@@ -133,26 +139,36 @@ class _Gain(nn.Module):
         self.gain = 1.0
 
 
+_HELD = _Helper()  # a global object: the model sets a field two levels down
+
+
 class OutsideStateBlock(nn.Module):
     """A block whose scale comes from outside its arguments and its own attributes: ``source`` says where."""
 
-    def __init__(self, width: int, source: str, helper: _Helper) -> None:
+    def __init__(self, width: int, source: str, helper: _Helper, gain: _Gain) -> None:
         super().__init__()
         self.lin = nn.Linear(width, width)
         self.source, self.helper = source, helper
+        object.__setattr__(self, "held_gain", gain)  # a module held, not a child
 
-    def forward(self, x: torch.Tensor, gain: _Gain | None = None) -> torch.Tensor:
-        if self.source == "global_dict":
-            scale = _SCALES["scale"]
-        elif self.source == "global_float":
-            scale = SCALE
-        elif self.source == "helper":
-            scale = self.helper.k
-        elif self.source == "module_arg":
-            scale = gain.gain
-        else:  # "dict_read": an attribute only layer 2 has, read through the instance dict
-            scale = self.__dict__.get("gain", 1.0)
-        return x + torch.tanh(self.lin(x)) * scale
+    def forward(self, x: torch.Tensor, gain: _Gain | None = None, options: _Helper | None = None) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x)) * self.scale(gain, options)
+
+    def scale(self, gain: _Gain | None, options: _Helper | None) -> float:
+        reads = {
+            "global_dict": lambda: _SCALES["scale"],
+            "global_float": lambda: SCALE,
+            "helper": lambda: self.helper.k,
+            "module_arg": lambda: gain.gain,
+            "dict_read": lambda: self.__dict__.get("gain", 1.0),  # an attribute only layer 2 has, read via its dict
+            "class_attr": lambda: _Inner.scale,
+            "nested_global": lambda: _HELD.inner.k,
+            "nested_dict": lambda: _NESTED_SCALES["attn"]["scale"],
+            "deep_attribute": lambda: self.helper.inner.k,
+            "held_module": lambda: self.held_gain.gain,
+            "nested_argument": lambda: options.inner.k,
+        }
+        return reads[self.source]()
 
 
 class OutsideState(nn.Module):
@@ -162,8 +178,8 @@ class OutsideState(nn.Module):
         super().__init__()
         helper = _Helper()
         self.inp = nn.Linear(width, width)
-        self.layers = nn.ModuleList(OutsideStateBlock(width, source, helper) for _ in range(4))
         self.gain = _Gain()
+        self.layers = nn.ModuleList(OutsideStateBlock(width, source, helper, self.gain) for _ in range(4))
         self.head = nn.Linear(width, 4)
         self.source = source
         self.layers[2].__dict__["gain"] = 3.0
@@ -171,9 +187,21 @@ class OutsideState(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global SCALE
         x = self.inp(x)
+        helper = self.layers[0].helper
         for i, layer in enumerate(self.layers):
-            _SCALES["scale"] = SCALE = self.gain.gain = layer.helper.k = float(i + 1)
-            x = layer(x, self.gain) if self.source == "module_arg" else layer(x)
+            value = float(i + 1)  # only where this source reads it: a change one level up would tell layers apart
+            if self.source in ("global_dict", "global_float", "class_attr", "nested_dict"):
+                _SCALES["scale"] = _NESTED_SCALES["attn"]["scale"] = SCALE = _Inner.scale = value
+            elif self.source in ("helper", "module_arg", "held_module"):
+                self.gain.gain = helper.k = value
+            elif self.source == "nested_global":
+                _HELD.inner.k = value
+            else:
+                helper.inner.k = value
+            if self.source == "module_arg":
+                x = layer(x, self.gain)
+            else:
+                x = layer(x, options=helper) if self.source == "nested_argument" else layer(x)
         return self.head(x)
 
 
