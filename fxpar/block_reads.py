@@ -161,6 +161,33 @@ def recording_reads(module: torch.nn.Module) -> Iterator[dict[tuple[str, ...], A
             m.__dict__.pop("_fxpar_reads", None)
 
 
+@contextmanager
+def no_attribute_writes(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: export ``model`` with its repeated blocks opaque. After: ``NotShared`` if the model's code set a plain
+    attribute of any of its modules meanwhile (``self.gate.scale = i + 1`` before each layer, or once before the
+    loop): each block is traced once after the export, when torch.export has put the attribute back, so a value the
+    model set there would not reach it. Writes through torch.export's module proxies count (they share the
+    module's ``__dict__``); tensors and submodules are the export's to track."""
+    watched = {id(m.__dict__): path for path, m in model.named_modules()}
+    written: list[str] = []
+    setattr_ = torch.nn.Module.__setattr__
+
+    def recording_setattr(self: torch.nn.Module, name: str, value: Any) -> None:
+        path = watched.get(id(object.__getattribute__(self, "__dict__")))
+        if path is not None and not isinstance(value, (torch.Tensor, torch.nn.Module)) and name != "forward" \
+                and not name.startswith(("__", "_fxpar")):  # (fxpar's own: opaque calls, recording classes)
+            written.append(f"{path}.{name}" if path else name)
+        setattr_(self, name, value)
+
+    torch.nn.Module.__setattr__ = recording_setattr  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
+    if written:
+        raise NotShared(f"the model's forward sets {written[0]}")
+
+
 def _record_globals(reads: dict[tuple[str, ...], Any], frame: Any, event: str, arg: Any) -> None:
     """A ``sys.settrace`` hook: record the globals and closure variables a model-code frame loads (no line tracing:
     returns None)."""
@@ -217,7 +244,8 @@ def _recording_class(cls: type) -> type:
                 if "_fxpar_reads" in d and _loaded_names(sys._getframe(1).f_code) is not None:  # the model's code
                     where, reads = d["_fxpar_reads"]
                     reads.setdefault((where, name), value_key(Snapshot(d)))
-            elif name not in MODULE_INTERNALS and name != "_fxpar_reads" and not name.startswith("__"):
+            elif name not in MODULE_INTERNALS and name != "_fxpar_reads" and not name.startswith("__") \
+                    and "_fxpar_reads" in d:  # (a torch.export proxy made while recording inherits the class)
                 where, reads = d["_fxpar_reads"]
                 if name in d:
                     reads.setdefault((where, name), value_key(d[name]))

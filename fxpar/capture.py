@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar import blocks as _blocks_module
 from fxpar.batch_norm import CAPTURE_DECOMPOSITIONS
+from fxpar.block_reads import no_attribute_writes
 from fxpar.block_state import Stripped, detached_state, held_elsewhere, restore_block_state, strip_block_state
 from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque_blocks, sharing_enabled
 from fxpar.buffer_writes import buffer_writes_as_copies
@@ -142,7 +143,8 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     with tracing(), fake_mode:
         if found:
             table = BlockTable(found)
-            with opaque_blocks(table, fake_mode, detach=detach and not held_elsewhere(model, found)):
+            with opaque_blocks(table, fake_mode, detach=detach and not held_elsewhere(model, found)), \
+                    no_attribute_writes(model):
                 ep = _export(model, fake_args)
             blocks = Blocks(table, fake_mode, tracing)
         else:

@@ -139,6 +139,27 @@ def test_a_block_reading_state_the_model_changes_between_layers_is_not_shared_wr
             if "aten.mul.Tensor(tanh" in line] == list(wanted)
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["once", "per layer"])
+def test_a_field_the_model_sets_on_a_shared_child_reaches_every_layer(per_layer: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model sets a field of a child every layer holds (once before the loop, or before each layer): with
+    sharing on every layer had the value from before the forward (torch.export puts it back before the blocks are
+    traced), 1.0 where the model computes with 2.0. Such a model is now traced whole."""
+    from fxpar.testing.block_models import SetsSharedChild
+
+    x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)),)
+    programs, captures = {}, {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(functools.partial(SetsSharedChild, per_layer), {"dp": 2}, x)
+            programs[on], captures[on] = pm.program(0), pm._compiled.stages[0].notes["captures"]
+    assert "the model's forward sets gain.gain" in captures[True].reason
+    assert programs[True] == programs[False]
+    wanted = ["1.0", "2.0", "3.0", "4.0"] if per_layer else ["2.0"] * 4
+    assert [line.split(", ")[-1].split(")")[0] for line in programs[True].splitlines()
+            if "aten.mul.Tensor(tanh" in line] == wanted
+
+
 def _two_stage_programs(build: Callable[[], torch.nn.Module], monkeypatch: pytest.MonkeyPatch) -> dict[bool, list]:
     """Both ranks' programs of ``build`` on pp=2 (2 stages, 2 microbatches), sharing on and off."""
     x = (torch.randn(4, 8, generator=torch.Generator().manual_seed(0)),)

@@ -205,6 +205,35 @@ class OutsideState(nn.Module):
         return self.head(x)
 
 
+class _GainBlock(nn.Module):
+    def __init__(self, width: int, gain: _Gain) -> None:
+        super().__init__()
+        self.lin, self.gain = nn.Linear(width, width), gain  # ``gain``: one child every layer (and the root) holds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x)) * self.gain.gain
+
+
+class SetsSharedChild(nn.Module):
+    """Every layer holds the root's ``gain`` child; the model sets its field once, before the loop (``per_layer``:
+    before each layer). torch.export puts the field back after the export, where each shared block is traced."""
+
+    def __init__(self, per_layer: bool = False, width: int = 16) -> None:
+        super().__init__()
+        self.inp, self.head, self.gain = nn.Linear(width, width), nn.Linear(width, 4), _Gain()
+        self.layers = nn.ModuleList(_GainBlock(width, self.gain) for _ in range(4))
+        self.per_layer = per_layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gain.gain = 2.0
+        x = self.inp(x)
+        for i, layer in enumerate(self.layers):
+            if self.per_layer:
+                self.gain.gain = float(i + 1)
+            x = layer(x)
+        return self.head(x)
+
+
 class _Residual(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
