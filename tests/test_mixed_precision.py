@@ -251,3 +251,33 @@ def test_batch_norm_keeps_float32_statistics_and_arithmetic(model_fn: str) -> No
     pm = fxpar.parallelize(model(), fxpar.Mesh({"dp": 2}, fake=True), (images,), plan=fxpar.Plan(zero=3, **MIXED))
     gathered = {r.dtype for r in pm.ledger(0) if r.op == "all_gather"}
     assert gathered == {BF16, FP32}
+
+
+class _FusedAtRunTime(torch.nn.Module):
+    """Blocks that build one weight from three Linears' weights at run time (``F.linear(x, cat([q, k, v]))``)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(8, width), torch.nn.Linear(3 * width, 4)
+        self.q, self.k, self.v = (torch.nn.Linear(width, width, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.cat([self.q.weight, self.k.weight, self.v.weight])
+        return self.out(torch.relu(torch.nn.functional.linear(self.inp(x), w)))
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("build", ["fused", "tied_transposed_head"])
+def test_a_weight_built_from_parameters_has_its_gradient_reduced_in_reduce_dtype(build: str, zero: int) -> None:
+    """The gradient of a weight the forward builds (a ``cat`` of parameters, MobileBERT's ``cat([emb.weight.t(),
+    extra])``) was all-reduced over dp in bf16, inside the backward, before the ``cat``'s backward sliced it into the
+    parameters' gradients: FSDP2 reduces every gradient in ``reduce_dtype``. A slice keeps a partial sum partial
+    now, so the reduction is the parameters' own, deferred, in fp32 (reduce-scattered under ZeRO-3)."""
+    from fxpar.testing.user_models import tied_transposed_head
+
+    model, x = ((_FusedAtRunTime(), torch.randn(8, 8)) if build == "fused" else
+                (tied_transposed_head(), torch.randint(0, 32, (8, 8))))
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (x,), plan=fxpar.Plan(zero=zero, **MIXED))
+    reductions = [r for r in pm.ledger(0) if r.axis == "dp" and r.op in ("all_reduce", "reduce_scatter")]
+    assert reductions and all(r.dtype == FP32 for r in reductions), [(r.op, r.shape, r.dtype) for r in reductions]
+    assert all(r.op == "reduce_scatter" for r in reductions) == (zero == 3)

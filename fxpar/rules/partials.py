@@ -17,7 +17,8 @@ PARTIAL_LINEAR = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default, aten.transpose.int,
     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
     aten.clone.default, aten.alias.default, aten.detach.default, aten.neg.default, aten.mul.Scalar,
-    aten.div.Scalar, aten.sum.dim_IntList, aten.sum.default, aten.slice_backward.default,
+    aten.div.Scalar, aten.sum.dim_IntList, aten.sum.default, aten.slice_backward.default, aten.slice.Tensor,
+    aten.select.int, aten.narrow.default,
     aten.embedding_dense_backward.default,  # linear in the gradient (a batch-free position table)
     aten._weight_norm_interface_backward.default,  # linear in the weight's gradient (its rule's only partial input)
 }
