@@ -56,8 +56,9 @@ def shard_casts(prog: Program, casts: dict[str, list[fx.Node]], dims: dict[str, 
                 ) -> tuple[dict[str, tuple], dict[str, tuple], list[str]]:
     """Placements that run each weight's ``casts`` on its ZeRO-3 dp shard ``Shard(dims[weight])``.
 
-    Ensures: for every weight whose casts reach it through transposes only, the cast nodes (and those
-    transposes) are placed as the shard moved through them and read the weight as its dp shard; insert_collectives
+    Ensures: for every weight whose casts reach it through transposes only (and whose dp shard dim no other axis
+    shards there), the cast nodes (and those transposes) are placed as the shard moved through them and read the
+    weight as its dp shard; insert_collectives
     then all-gathers the cast value where it is read whole. Returns the new placements, the new argument
     placements and the weights done.
     """
@@ -67,7 +68,7 @@ def shard_casts(prog: Program, casts: dict[str, list[fx.Node]], dims: dict[str, 
     done = []
     for weight, nodes in casts.items():
         dp_of = _dp_placements(prog.node(weight), dims[weight], nodes)
-        if dp_of is None:
+        if dp_of is None or any(_sharded_elsewhere(placements[n.name], ax, p) for n, p in dp_of.items()):
             continue
         for n, p in dp_of.items():
             placements[n.name] = _with(placements[n.name], ax, p)
@@ -77,6 +78,13 @@ def shard_casts(prog: Program, casts: dict[str, list[fx.Node]], dims: dict[str, 
                                                              strict=True))
         done.append(weight)
     return placements, arg_placements, done
+
+
+def _sharded_elsewhere(placed: tuple, ax: int, p: Placement) -> bool:
+    """Whether another mesh axis already shards the dim ``p`` would shard over dp (sequence parallelism's ``Shard(1)``
+    of a ViT's ``[1, S, h]`` position table, whose dp shard is dim 1 too): two axes on one dim cannot change apart."""
+    return isinstance(p, Shard) and any(isinstance(q, Shard) and q.dim == p.dim
+                                        for i, q in enumerate(placed) if i != ax)
 
 
 def _dp_placements(weight: fx.Node, dim: int, casts: list[fx.Node]) -> dict[fx.Node, Placement] | None:

@@ -78,7 +78,7 @@ def _warn_replicated(prog: Program, replicated: list[str], level: int, dp: int, 
     biggest = max(replicated, key=size.__getitem__)
     shape = tuple(prog.node(dict(prog.signature.params)[biggest]).meta["val"].shape)
     share = 100 * kept / sum(size.values())
-    why = ("every dim of theirs that tp leaves whole is smaller than dp" if uneven_ok else
+    why = ("none of their dims that tp leaves whole has dp rows or more" if uneven_ok else
            "dp divides none of their dims that tp leaves whole, and ZeRO shards a dim unevenly only where dp "
            "divides the global batch; use a batch dp divides")
     warn_at_callers_line(

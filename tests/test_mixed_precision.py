@@ -281,3 +281,28 @@ def test_a_weight_built_from_parameters_has_its_gradient_reduced_in_reduce_dtype
     reductions = [r for r in pm.ledger(0) if r.axis == "dp" and r.op in ("all_reduce", "reduce_scatter")]
     assert reductions and all(r.dtype == FP32 for r in reductions), [(r.op, r.shape, r.dtype) for r in reductions]
     assert all(r.op == "reduce_scatter" for r in reductions) == (zero == 3)
+
+
+class _PositionTable(torch.nn.Module):
+    """A learned ``[1, S, h]`` position table as a bare Parameter added to the stream (a ViT's), then an MLP."""
+
+    def __init__(self, width: int = 16, seq: int = 8) -> None:
+        super().__init__()
+        self.patch, self.pos = torch.nn.Linear(12, width), torch.nn.Parameter(torch.randn(1, seq, width))
+        self.norm = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, 32, bias=False), torch.nn.Linear(32, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patch(x) + self.pos
+        return h + self.down(torch.relu(self.up(self.norm(h))))
+
+
+def test_zero3_casts_a_table_sequence_parallelism_shards_after_its_gather() -> None:
+    """ZeRO-3 shards ``[1, S, h]`` on dim 1 (dim 0 is shorter than dp); sequence parallelism shards the stream's
+    dim 1 over tp. Casting the table on its dp shard put two axes on one dim, and compiling failed inside
+    ``insert_collectives`` (NotImplementedError); such a weight is now gathered, then cast."""
+    x = torch.randn(4, 8, 12)
+    plan = fxpar.Plan(tp={"up": "colwise", "down": "rowwise"}, sequence_parallel=True, zero=3, **MIXED)
+    pm = fxpar.parallelize(_PositionTable(), fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), (x,), plan=plan)
+    assert "pos" not in pm._compiled.stages[0].notes["cast_gather"]
+    assert any(r.op == "all_gather" and r.axis == "dp" and r.dtype == FP32 for r in pm.ledger(0))
