@@ -62,9 +62,40 @@ def _compile(gm: fx.GraphModule, args: list[Any], where: str) -> Callable[..., A
 def _explain(e: BaseException, gm: fx.GraphModule, where: str) -> str:
     text = str(e)
     first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
-    node = _node_named(text, gm)
+    node = _node_lowered(e, gm) or _node_named(text, gm)
     at = f"\n  at node {node.name}: {node.format_node()}" if node is not None else ""
     return f"Inductor could not compile {where}: {type(e).__name__}: {first}{at}"
+
+
+def _node_lowered(e: BaseException, gm: fx.GraphModule) -> fx.Node | None:
+    """The node of ``gm`` whose lowering raised ``e``: Inductor lowers its own retrace of ``gm``, one node at a time
+    (``GraphLowering.run_node(n)``, on the failing frame's stack); ``n.meta["from_node"]`` names the node of ``gm``
+    it came from. Its messages (``LoweringException``) name only the op and Inductor's buffers."""
+    names = {n.name: n for n in gm.graph.nodes}
+    lowered = None
+    for frame in _frames(e):
+        n = frame.f_locals.get("n") if frame.f_code.co_name == "run_node" else None
+        if isinstance(n, fx.Node):
+            lowered = n  # the innermost one
+    sources = list(lowered.meta.get("from_node") or ()) if lowered is not None else []
+    while sources:
+        source = sources.pop()
+        if source.name in names and source.graph_id == id(gm.graph):
+            return names[source.name]
+        sources.extend(source.from_node or ())
+    return None
+
+
+def _frames(e: BaseException | None) -> Any:
+    """Every frame on the tracebacks of ``e`` and the exceptions it was raised from, outermost first."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            yield tb.tb_frame
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
 
 
 def _node_named(text: str, gm: fx.GraphModule) -> fx.Node | None:

@@ -77,6 +77,34 @@ def test_a_lowering_failure_names_the_node_being_executed_not_the_first_of_its_o
         compiled_graph(gm, "rank 0 stage 0 forward")(torch.randn(2, 2), torch.randn(2, 2))
 
 
+def test_a_real_lowering_failure_names_the_rank_graphs_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor lowers its own retrace of a rank graph, and its ``LoweringException`` names only the op and its
+    buffers: the error named no node. The node is now read off the lowering's stack (``from_node``); here the second
+    ``addmm`` of an MLP's forward fails, and that one is named, not the first."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.lowering as lowering
+
+    from fxpar.models.mlp import mlp
+
+    pm = fxpar.parallelize(mlp(), fxpar.Mesh({"dp": 1}, fake=True), (torch.randn(8, 32),),
+                           plan=fxpar.Plan(compile=True))
+    gm = pm.rank_program(0).forward
+    args = [torch.randn(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
+    original, calls = lowering.lowerings[torch.ops.aten.addmm.default], []
+
+    def second_fails(*a: object, **k: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise NotImplementedError("no lowering today")
+        return original(*a, **k)
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setitem(lowering.lowerings, torch.ops.aten.addmm.default, second_fails)
+    addmms = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    with pytest.raises(InductorError, match=rf"rank 0 stage 0 forward: .*no lowering today(.|\n)*at node {addmms[1]}:"):
+        compiled_graph(gm, "rank 0 stage 0 forward")(*args)
+
+
 def test_compiled_graph_returns_what_the_graph_returns() -> None:
     def f(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.mm(a, b).relu(), a * 2 + b
