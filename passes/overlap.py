@@ -51,7 +51,7 @@ def overlap(prog: Program, ctx: Context) -> Program:
     zero_buckets: list[list[str]] = []
     if batch_ranks(mesh) > 1:
         buckets = _buckets(prog, bucket_bytes, sharded=False)
-        zero_buckets = _buckets(prog, bucket_bytes, sharded=True) if prog.notes.get("zero") else []
+        zero_buckets = _with_frozen(prog, _buckets(prog, bucket_bytes, sharded=True)) if prog.notes.get("zero") else []
     single = prog.notes.get("stage") is None and (plan.microbatches or 1) == 1
     notes = {"buckets": buckets, "zero_buckets": zero_buckets, "bucket_bytes": bucket_bytes, "in_backward": single}
     return prog.replace("overlap", notes={**prog.notes, "overlap": notes})
@@ -93,12 +93,30 @@ def _buckets(prog: Program, bucket_bytes: int, sharded: bool) -> list[list[str]]
     return buckets
 
 
+def _with_frozen(prog: Program, buckets: list[list[str]]) -> list[list[str]]:
+    """``buckets`` (of ZeRO gradients) with every frozen ZeRO parameter in the first bucket of its block, or in a
+    bucket of its block's frozen parameters: a ZeRO-3 block gathers its frozen weights with the rest (FSDP2's
+    group holds them too); they have no gradient to reduce-scatter."""
+    trainable = {fqn for fqn, _ in prog.signature.grads}
+    unit = block_units([fqn for fqn, _ in prog.signature.params])
+    frozen = [fqn for fqn in dict.fromkeys(f for f, _ in prog.signature.params)
+              if fqn in prog.notes["zero"] and fqn not in trainable]
+    out = [list(b) for b in buckets]
+    for fqn in frozen:
+        home = next((b for b in out if unit[b[0]] == unit[fqn]), None)
+        if home is None:
+            out.append(home := [])
+        home.append(fqn)
+    return out
+
+
 def block_units(fqns: list[str]) -> dict[str, str]:
     """Each parameter's FSDP2 unit (``fully_shard`` per block): the outermost numbered component of its path whose
     container holds two children with the same parameter names, a list of alike blocks (``blocks.0`` for
     ``blocks.0.1.weight`` when ``blocks`` is a ``ModuleList`` of ``Sequential``s, ``layers.3`` for an expert
-    ``layers.3.mlp.experts.5.w1``); else ``block_of``. A block's own numbered children (a ``Sequential``'s
-    layers, T5's ``block.2.layer.1``) are not units of their own."""
+    ``layers.3.mlp.experts.5.w1``); else its outermost numbered component (a ResNet's ``layer2.0`` for its
+    shortcut ``layer2.0.shortcut.0.weight``, where the stage's two blocks differ). A block's own numbered children
+    (a ``Sequential``'s layers, T5's ``block.2.layer.1``) are not units of their own."""
     children: dict[str, dict[str, set[str]]] = {}
     for fqn in fqns:
         parts = fqn.split(".")
@@ -110,9 +128,9 @@ def block_units(fqns: list[str]) -> dict[str, str]:
     units = {}
     for fqn in fqns:
         parts = fqn.split(".")
-        outer = next((i for i, part in enumerate(parts[:-1]) if part.isdigit() and ".".join(parts[:i]) in alike),
-                     None)
-        units[fqn] = ".".join(parts[: outer + 1]) if outer is not None else block_of(fqn)
+        numbered = [i for i, part in enumerate(parts[:-1]) if part.isdigit()]
+        outer = next((i for i in numbered if ".".join(parts[:i]) in alike), numbered[0] if numbered else None)
+        units[fqn] = ".".join(parts[: outer + 1]) if outer is not None else ""
     return units
 
 

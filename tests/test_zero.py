@@ -256,3 +256,25 @@ def test_zero_with_tied_embeddings(zero: int) -> None:
     model_fn = partial(llama, n_layers=1, vocab_size=128, tie_embeddings=True)
     _check(model_fn, {"dp": 2}, fxpar.Plan(zero=zero, microbatches=2))
     assert_equivalent(model_fn, {"dp": 2}, fxpar.Plan(zero=zero), (TOKENS,), steps=2)
+
+
+def _forward_gathers(model: torch.nn.Module, x: torch.Tensor) -> int:
+    pm = fxpar.parallelize(model, fxpar.Mesh({"dp": 2}, fake=True), (x,), plan=fxpar.Plan(zero=3))
+    return sum(r.op == "all_gather" and r.phase == "fwd" for r in pm.ledger(0))
+
+
+def test_zero3_gathers_a_blocks_frozen_weights_and_nested_modules_with_the_block() -> None:
+    """FSDP2's one group per block holds its frozen weights and its nested modules too. fxpar's groups were cut from
+    the gradients, so a frozen weight was gathered alone (10 forward all-gathers for the 5 of a trainable model),
+    and a ResNet block's shortcut ``Sequential`` (``layer2.0.shortcut.0``: its stage's two blocks differ) was a
+    group of its own."""
+    from fxpar.testing.user_models import tiny_resnet
+
+    tokens = TOKENS[:4]
+    trainable = _forward_gathers(llama(n_layers=2, vocab_size=128), tokens)
+    frozen = llama(n_layers=2, vocab_size=128)
+    frozen.layers[0].requires_grad_(False)
+    frozen.layers[1].attn.q.weight.requires_grad_(False)
+    assert _forward_gathers(frozen, tokens) == trainable
+    # four residual blocks, one all-gather each, and the root's stem conv, stem BatchNorm and head
+    assert _forward_gathers(tiny_resnet(), torch.randn(4, 3, 8, 8)) == 4 + 3
