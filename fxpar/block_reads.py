@@ -15,13 +15,16 @@ they would run the same way.
 A value is keyed by value when it is plain data; a container, an object, a module the block holds without
 registering it, or a class is keyed by identity and by its contents, three levels down (a config's nested field,
 a class attribute, a global dict's nested entry: a field changed in place between two calls tells them apart), up
-to 256 entries in all; beyond that, and for a function, a Python module or a tensor, by identity alone.
+to 256 entries in all; beyond that, and for a function, a Python module, a tensor, a logger or an enum, by identity
+alone.
 """
 
 from __future__ import annotations
 
 import dis
+import enum
 import functools
+import logging
 import math
 import os
 import sys
@@ -36,6 +39,8 @@ import torch
 from fxpar.not_shared import NotShared
 
 PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_PLAIN_TYPES = frozenset(PLAIN)  # exact types: the common case of a config's fields, keyed without a call
+_BY_IDENTITY = (types.ModuleType, torch.Tensor, logging.Logger, enum.Enum, enum.EnumMeta)
 MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) - {"training"}
 MISSING = object()
 CLOSURE = "<closure>"
@@ -68,8 +73,8 @@ def _key(v: Any, depth: int, budget: list[int]) -> Any:
         return plain_key(v)
     if isinstance(v, Snapshot):
         return ("snapshot", v.key)
-    if isinstance(v, (types.ModuleType, torch.Tensor)):  # not asked for attributes (a lazy module's may import)
-        return ("id", id(v))
+    if isinstance(v, _BY_IDENTITY):  # not asked for attributes (a lazy module's may import; a logger's or an enum's
+        return ("id", id(v))  # state does not change what a block computes)
     if isinstance(v, functools.partial):  # e.g. an activation's per-layer partial(gelu, approximate="tanh")
         return ("partial", _key(v.func, depth, budget), tuple(_key(x, depth, budget) for x in v.args),
                 tuple(sorted((k, _key(x, depth, budget)) for k, x in v.keywords.items())))
@@ -88,7 +93,8 @@ def _key(v: Any, depth: int, budget: list[int]) -> Any:
     contents = _contents(v)
     if contents is None or len(contents) > max(budget[0], 0):  # too large to read: by identity
         return ("id", id(v))
-    return ("id", id(v), tuple((k, _key(x, depth - 1, budget)) for k, x in contents))
+    return ("id", id(v), tuple((k, plain_key(x) if type(x) in _PLAIN_TYPES else _key(x, depth - 1, budget))
+                               for k, x in contents))
 
 
 def _cell_key(cell: Any, budget: list[int]) -> Any:
