@@ -113,6 +113,9 @@ class Blocks:
         gradients are sums over its calls, in an order only the whole-model trace knows."""
         if len({site.path for site in self.table.sites.values()}) < len(self.table.sites):
             raise NotShared("a block is called more than once")
+        if len(graph.find_nodes(op="call_function", target=_BLOCK)) < len(self.table.sites):
+            raise NotShared("a block is called inside a region the export keeps as a subgraph (torch.autocast, "
+                            "torch.no_grad inside the model's forward)")
         for n in graph.nodes:
             if n.op == "call_function" and n.target is _BLOCK:
                 used = sorted({u.args[1] for u in n.users if u.target is operator.getitem and u.users})
