@@ -324,14 +324,15 @@ def _choose(node: fx.Node, tensor_args: list[fx.Node], cur: list[Placement], n: 
     fallback = Candidate(tuple(Replicate() for _ in cur), _all(node.meta["val"], Replicate()))
     replica = float(_nbytes(node, first=True)) if sharded else 0.0
     whole = context.penalty(fallback, node) if context is not None else 0.0
-    best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like) + replica + whole, 1, 0)
+    tp_like = placed_on is not None
+    best, best_key = fallback, (_cost(node, fallback, tensor_args, cur, n, param_like, tp_like) + replica + whole, 1, 0)
     for i, cand in enumerate(found or []):
         usable = fits(node, cand, len(cur)) and disjoint(cand, taken) and plain(cand)
         if usable and context is not None:
             usable = context.allowed(cand, tensor_args, node)
         if not usable:
             continue
-        cost = _cost(node, cand, tensor_args, cur, n, param_like)
+        cost = _cost(node, cand, tensor_args, cur, n, param_like, tp_like)
         cost += replica if _first(cand.output) != SEQUENCE else 0.0
         cost += _final_reduction(node, cand, placed_on) if placed_on is not None and cost < NO_CANDIDATE else 0.0
         cost += context.penalty(cand, node) if context is not None else 0.0
@@ -370,16 +371,28 @@ def _stream_shaped(arg: fx.Node, node: fx.Node) -> bool:
 
 
 def _cost(node: fx.Node, cand: Candidate, tensor_args: list[fx.Node], cur: list[Placement], n: int,
-          param_like: set[str]) -> float:
+          param_like: set[str], tp_like: bool = False) -> float:
     if len(cand.inputs) != len(cur) or not _allowed(node, cand, cur, n):
         return NO_CANDIDATE
     total = 0.0
     for arg, src, dst in zip(tensor_args, cur, cand.inputs, strict=True):
-        c = transition_cost(src, dst, _nbytes(arg))
+        shared = tp_like and isinstance(dst, Replicate) and _gathered_anyway(node, arg)
+        c = 0.0 if shared else transition_cost(src, dst, _nbytes(arg))
         if c > 1 and arg.name in param_like:
             c *= PARAM_PENALTY
         total += c
     return total
+
+
+def _gathered_anyway(node: fx.Node, arg: fx.Node) -> bool:
+    """On a tp-like axis: ``node`` is an embedding's backward, and ``arg`` (the incoming gradient) is gathered whole
+    for another embedding's backward reading it, one whose table is larger than the gradient (it gathers, rather than
+    all-reduce the table, ``_final_reduction``): lowering gathers once for both, so a small table (BERT's token
+    types) adds no bytes that way."""
+    if node.target is not aten.embedding_dense_backward.default or node.args[0] is not arg:
+        return False
+    return any(u is not node and u.target is aten.embedding_dense_backward.default and u.args[0] is arg
+               and _nbytes(u) > _nbytes(arg) for u in arg.users)
 
 
 def _allowed(node: fx.Node, cand: Candidate, cur: list[Placement], n: int) -> bool:

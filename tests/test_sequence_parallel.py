@@ -64,6 +64,19 @@ def test_embedding_gradient_all_gathers_the_stream_not_the_table(tie: bool) -> N
     assert max(r.bytes for r in rows) == tokens.numel() * HIDDEN * 4  # the stream, gathered or scattered whole
 
 
+def test_a_small_table_reads_the_stream_gradient_the_word_embedding_gathers() -> None:
+    """BERT's token-type table (2 x h) all-reduced its gradient over tp (2 h elements: more than a norm weight) though
+    the word embedding's backward gathers the same incoming gradient anyway: both now read the one gather."""
+    pytest.importorskip("transformers")
+    from fxpar.models import hf_families
+
+    pm = fxpar.parallelize(hf_families.bert(), fxpar.Mesh({"dp": 2, "tp": 2}, fake=True), hf_families.inputs("bert"),
+                           plan=fxpar.Plan(tp=hf_families.TP_PLANS["bert"], sequence_parallel=True))
+    tp = [r for r in pm.ledger(0) if r.axis == "tp"]
+    assert max(r.bytes for r in tp if r.op == "all_reduce") == hf_families.HIDDEN * 4
+    assert not [r for r in pm.ledger(0) if r.axis == "dp" and r.op == "all_gather"]  # dp still defers, as DDP
+
+
 def test_an_unplanned_head_under_cp_x_tp_is_not_all_reduced_over_tp() -> None:
     """cp x tp with SP and a replicated ``lm_head``: the head's weight gradient reaches the program's output through
     transposes (cp's weight path), and a partial sum there must be completed: the head then computes its gradient
