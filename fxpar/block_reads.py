@@ -208,12 +208,14 @@ def _record_globals(reads: dict[tuple[str, ...], Any], frame: Any, event: str, a
     for name in names[0]:
         if name in namespace:
             _NAMESPACES.setdefault(token, namespace)
-            reads.setdefault((GLOBAL, token, name), value_key(namespace[name]))
+            if (GLOBAL, token, name) not in reads:  # (the first read's value: a key is computed once)
+                reads[(GLOBAL, token, name)] = value_key(namespace[name])
     if names[1]:
         local = frame.f_locals
         for name in names[1]:
             if name in local:
-                reads.setdefault((CLOSURE, str(id(code)), name), value_key(local[name]))
+                if (CLOSURE, str(id(code)), name) not in reads:
+                    reads[(CLOSURE, str(id(code)), name)] = value_key(local[name])
     return None
 
 
@@ -249,16 +251,19 @@ def _recording_class(cls: type) -> type:
             if name == "__dict__":
                 if "_fxpar_reads" in d and _loaded_names(sys._getframe(1).f_code) is not None:  # the model's code
                     where, reads = d["_fxpar_reads"]
-                    reads.setdefault((where, name), value_key(Snapshot(d)))
+                    if (where, name) not in reads:
+                        reads[(where, name)] = value_key(Snapshot(d))
             elif name not in MODULE_INTERNALS and name != "_fxpar_reads" and not name.startswith("__") \
                     and "_fxpar_reads" in d:  # (a torch.export proxy made while recording inherits the class)
                 where, reads = d["_fxpar_reads"]
-                if name in d:
-                    reads.setdefault((where, name), value_key(d[name]))
+                if (where, name) in reads:
+                    pass
+                elif name in d:
+                    reads[(where, name)] = value_key(d[name])
                 elif not (name in d["_parameters"] or name in d["_buffers"] or name in d["_modules"]):
                     # read from the class, or missing (``getattr(self, name, default)``): a layer whose own
                     # attribute overrides it runs the code another way
-                    reads.setdefault((where, name), value_key(MISSING))
+                    reads[(where, name)] = value_key(MISSING)
             return object.__getattribute__(self, name)
 
         own = {"__getattribute__": __getattribute__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
