@@ -1,4 +1,5 @@
-"""Shared test setup: one gloo rank pool per session, the hypothesis profile, and the property-suite report.
+"""Shared test setup: one gloo rank pool per session (per pytest-xdist worker: ``make test`` runs two), the
+hypothesis profile, and the property-suite report (the workers' counts summed).
 
 The property suite's seed is fixed (so CI is reproducible) unless ``FXPAR_SEED`` is set; ``FXPAR_SEED=random``
 draws a fresh one. The terminal summary prints the seed and how many examples ran.
@@ -39,6 +40,25 @@ def rank_pool() -> Iterator[RankPool]:
     pool.close()
 
 
+POOL_COUNTS: Counter[str] = Counter()  # under pytest-xdist: the workers' rank pools, summed at the controller
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its example and rank-pool counts to the controller, which prints the summary."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        pool = default_pool()
+        out["fxpar_property_examples"] = dict(PROPERTY_EXAMPLES)
+        out["fxpar_pool"] = {"tasks": pool.tasks_run, "restarts": pool.restarts, "recycles": pool.recycles}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    out = getattr(node, "workeroutput", {})
+    PROPERTY_EXAMPLES.update(out.get("fxpar_property_examples", {}))
+    POOL_COUNTS.update(out.get("fxpar_pool", {}))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not PROPERTY_EXAMPLES:
         return
@@ -47,6 +67,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(
         f"property suite: {total} hypothesis examples ({per_test}); seed {PROPERTY_SEED} "
         f"(replay: FXPAR_SEED={PROPERTY_SEED} make test)")
-    pool = default_pool()
-    terminalreporter.write_line(f"rank pool: {pool.tasks_run} multi-rank tasks, {pool.restarts} restarts, "
-                                f"{pool.recycles} recycles")
+    if POOL_COUNTS:
+        counts = POOL_COUNTS
+    else:
+        pool = default_pool()
+        counts = Counter(tasks=pool.tasks_run, restarts=pool.restarts, recycles=pool.recycles)
+    terminalreporter.write_line(f"rank pool: {counts['tasks']} multi-rank tasks, {counts['restarts']} restarts, "
+                                f"{counts['recycles']} recycles")
