@@ -17,6 +17,7 @@ one's plan exactly, pipeline split points included, and refuses to run if it wou
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,7 +26,8 @@ from typing import Any
 
 import torch
 
-from fxpar.compiled import Compiled, compile_model
+from fxpar.compiled import STATE_HELD_BY_NO_STAGE, Compiled, compile_model
+from fxpar.errors import FxparWarning
 from fxpar.input_shapes import InputCheck
 from fxpar.params import bind_runners, non_persistent_buffers
 from fxpar.plan import Plan
@@ -87,7 +89,9 @@ def same_split(compiled: Compiled) -> Plan:
 
 def compile_in_mode(source: ModeSource, compiled: Compiled, training: bool) -> Compiled:
     """``source.model`` compiled again for ``compiled``'s mesh and plan, every module in ``training`` mode."""
-    with all_in_mode(source.model, training):
+    with all_in_mode(source.model, training), warnings.catch_warnings():
+        # the module keeps the state the first program registered: that program's warning said what it lacks
+        warnings.filterwarnings("ignore", message=STATE_HELD_BY_NO_STAGE, category=FxparWarning)
         return compile_model(source.model, compiled.mesh, source.example_inputs, same_split(compiled),
                              source.loss_fn)
 

@@ -408,3 +408,38 @@ def test_an_in_place_write_to_a_tensor_the_forward_made_is_staged_with_its_reade
     x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(0))
     assert_equivalent(FreshTableInPlace, {"pp": 2}, fxpar.Plan(stages=2, microbatches=2), (x,), steps=2,
                       loss_fn=torch.nn.functional.mse_loss, targets=x)
+
+
+class _SpareStateLayer(torch.nn.Module):
+    """A layer with a parameter and a buffer its forward never reads, and a non-persistent one it never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.spare = torch.nn.Parameter(torch.zeros(3))
+        self.register_buffer("spare_stat", torch.zeros(3))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("sharing", ["1", "0"])
+def test_state_no_stage_holds_is_named_in_a_warning(sharing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split gives each stage the state its graph reads: a trainable parameter the forward never reads is on
+    no rank, so pm.state_dict() and checkpoints leave it out. The user is told which (a non-persistent buffer is in
+    no state_dict anyway)."""
+    monkeypatch.setenv("FXPAR_SHARING", sharing)
+    model = torch.nn.Sequential(*[_SpareStateLayer() for _ in range(4)], torch.nn.Linear(8, 2))
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    with pytest.warns(fxpar.FxparWarning, match="held by no pipeline stage") as caught:
+        pm = fxpar.parallelize(model, fxpar.Mesh({"pp": 2}, fake=True), (x,), plan=fxpar.Plan(stages=2, microbatches=2),
+                               loss_fn=lambda o, t: (o - t).pow(2).mean(), example_targets=(y,))
+    held = {f for p in pm._compiled.stages for f, _ in (*p.signature.params, *p.signature.buffers)}
+    state = [fqn for fqn, _ in (*model.named_parameters(), *model.named_buffers())]
+    missing = [fqn for fqn in state if fqn not in held and not fqn.endswith("scratch")]
+    assert {f"{i}.spare" for i in range(4)} <= set(missing)  # what the warning is for
+    message = next(str(w.message) for w in caught if "held by no pipeline stage" in str(w.message))
+    assert message.startswith(f"fxpar: {len(missing)} parameters or buffers")
+    assert all(repr(fqn) in message for fqn in missing[:4]) and f"and {len(missing) - 4} more" in message
+    assert not any(repr(fqn) in message for fqn in state if fqn in held or fqn.endswith("scratch"))
