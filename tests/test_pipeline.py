@@ -23,6 +23,9 @@ from fxpar.models.mlp import mlp
 from fxpar.testing import assert_equivalent, default_pool, error_models, probes
 from fxpar.testing.error_models import next_token_loss
 from fxpar.testing.launch import RankFailure, run_ranks
+from fxpar.testing.loss_models import mean_square
+from fxpar.testing.state_models import spare_state_stack
+from fxpar.testing.state_probes import state_keys_after_a_step
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
@@ -410,35 +413,61 @@ def test_an_in_place_write_to_a_tensor_the_forward_made_is_staged_with_its_reade
                       loss_fn=torch.nn.functional.mse_loss, targets=x)
 
 
-class _SpareStateLayer(torch.nn.Module):
-    """A layer with a parameter and a buffer its forward never reads, and a non-persistent one it never reads."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-        self.spare = torch.nn.Parameter(torch.zeros(3))
-        self.register_buffer("spare_stat", torch.zeros(3))
-        self.register_buffer("scratch", torch.zeros(3), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.lin(x))
-
 
 @pytest.mark.parametrize("sharing", ["1", "0"])
-def test_state_no_stage_holds_is_named_in_a_warning(sharing: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split gives each stage the state its graph reads: a trainable parameter the forward never reads is on
-    no rank, so pm.state_dict() and checkpoints leave it out. The user is told which (a non-persistent buffer is in
-    no state_dict anyway)."""
+def test_state_the_forward_never_reads_is_held_by_the_stage_of_its_module(sharing: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter or buffer no stage's graph reads goes to the stage holding its module's neighbours (the root's to
+    stage 0): every tensor of the model is held by exactly one stage, with sharing on or off, and the two print the
+    same programs. (Each stage used to hold only what its graph read: an unread parameter was on no rank.)"""
     monkeypatch.setenv("FXPAR_SHARING", sharing)
-    model = torch.nn.Sequential(*[_SpareStateLayer() for _ in range(4)], torch.nn.Linear(8, 2))
-    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    model = spare_state_stack()
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    pm = fxpar.parallelize(model, fxpar.Mesh({"pp": 2}, fake=True), (x,), plan=fxpar.Plan(stages=2, microbatches=2),
+                           loss_fn=mean_square, example_targets=(y,))
+    held = [{f for f, _ in (*p.signature.params, *p.signature.buffers)} for p in pm._compiled.stages]
+    assert sorted(f for h in held for f in h) == sorted(n for n, _ in (*model.named_parameters(),
+                                                                        *model.named_buffers()))
+    for i in range(4):
+        stage = next(s for s, h in enumerate(held) if f"layers.{i}.lin.weight" in h)
+        assert {f"layers.{i}.spare", f"layers.{i}.spare_stat", f"layers.{i}.scratch"} <= held[stage]
+    assert "extra" in held[0]
+    monkeypatch.setenv("FXPAR_SHARING", "0" if sharing == "1" else "1")
+    other = fxpar.parallelize(spare_state_stack(), fxpar.Mesh({"pp": 2}, fake=True), (x,),
+                              plan=fxpar.Plan(stages=2, microbatches=2), loss_fn=mean_square,
+                              example_targets=(y,))
+    assert [pm.program(r) for r in (0, 1)] == [other.program(r) for r in (0, 1)]
+
+
+def test_unread_state_trains_and_is_in_the_state_dict_of_a_pipeline() -> None:
+    """pp=2 x dp=2 with ZeRO-1 on gloo: the same gradients, steps and buffers as the single device (fp32, rtol
+    1e-5), and the ranks' ``pm.state_dict()`` keys together are the model's (the unread ones included)."""
+    x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), torch.randn(8, 4)
+    plan = fxpar.Plan(stages=2, microbatches=2, zero=1)
+    assert_equivalent(spare_state_stack, {"pp": 2, "dp": 2}, plan, (x,), targets=y, loss_fn=mean_square,
+                      steps=2)
+    ranks = default_pool().run(state_keys_after_a_step, 2, spare_state_stack, {"pp": 2}, plan.resolved(zero=0), x, y,
+                               mean_square)
+    assert sorted({k for r in ranks for k in r["state"]}) == sorted(spare_state_stack().state_dict())
+    assert "extra" in ranks[0]["params"] and "layers.3.spare" in ranks[1]["params"]
+
+
+
+def test_state_no_stage_holds_is_named_in_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard behind ``hold_unread_state``: should a split leave model state on no stage, ``parallelize`` names
+    it (``pm.state_dict()`` and checkpoints would leave it out); a non-persistent buffer is in no state dict."""
+    import fxpar.stages
+
+    monkeypatch.setattr(fxpar.stages, "hold_unread_state", lambda gm, graphs: None)
+    model = spare_state_stack()
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
     with pytest.warns(fxpar.FxparWarning, match="held by no pipeline stage") as caught:
         pm = fxpar.parallelize(model, fxpar.Mesh({"pp": 2}, fake=True), (x,), plan=fxpar.Plan(stages=2, microbatches=2),
-                               loss_fn=lambda o, t: (o - t).pow(2).mean(), example_targets=(y,))
+                               loss_fn=mean_square, example_targets=(y,))
     held = {f for p in pm._compiled.stages for f, _ in (*p.signature.params, *p.signature.buffers)}
     state = [fqn for fqn, _ in (*model.named_parameters(), *model.named_buffers())]
     missing = [fqn for fqn in state if fqn not in held and not fqn.endswith("scratch")]
-    assert {f"{i}.spare" for i in range(4)} <= set(missing)  # what the warning is for
+    assert {f"layers.{i}.spare" for i in range(4)} | {"extra"} <= set(missing)
     message = next(str(w.message) for w in caught if "held by no pipeline stage" in str(w.message))
     assert message.startswith(f"fxpar: {len(missing)} parameters or buffers")
     assert all(repr(fqn) in message for fqn in missing[:4]) and f"and {len(missing) - 4} more" in message

@@ -85,3 +85,39 @@ class SharedTableStack(nn.Module):
 def shared_table_stack() -> SharedTableStack:
     torch.manual_seed(0)
     return SharedTableStack()
+
+
+class _SpareStateLayer(nn.Module):
+    """A layer holding a parameter and two buffers (one persistent, one not) its forward never reads."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.spare = nn.Parameter(torch.randn(3))
+        self.register_buffer("spare_stat", torch.randn(3))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class SpareStateStack(nn.Module):
+    """Layers with state their forward never reads, and an unread root parameter (``extra``): a pipeline stage
+    holds the state its graph reads, so these need a stage chosen for them."""
+
+    def __init__(self, width: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(width, width), nn.Linear(width, 4)
+        self.layers = nn.ModuleList(_SpareStateLayer(width) for _ in range(layers))
+        self.extra = nn.Parameter(torch.randn(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def spare_state_stack() -> SpareStateStack:
+    torch.manual_seed(0)
+    return SpareStateStack()

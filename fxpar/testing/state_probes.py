@@ -47,3 +47,18 @@ def load_single_device_state(model_fn: Callable[[], torch.nn.Module], axes: dict
     model_keys = set(other.state_dict())
     return {"loaded": str(result), "loss_gap": abs(loss.item() - expected.item()), "grad_gap": gap,
             "keys_are_the_models": set(pm.state_dict()) <= model_keys and bool(pm.state_dict())}
+
+
+def state_keys_after_a_step(model_fn: Callable[[], torch.nn.Module], axes: dict[str, int], plan: Any,
+                            inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[..., torch.Tensor]
+                            ) -> dict[str, Any]:
+    """Parallelize ``model_fn()``, take one ``pm.step`` and an optimizer step; the rank's ``pm.state_dict()`` keys
+    and its parameter names."""
+    import fxpar
+
+    pm = fxpar.parallelize(model_fn(), fxpar.Mesh(axes), (inputs,), plan=plan, loss_fn=loss_fn,
+                           example_targets=targets)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm.step(inputs, targets)
+    opt.step()
+    return {"state": sorted(pm.state_dict()), "params": sorted(n for n, _ in pm.named_parameters())}
