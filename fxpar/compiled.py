@@ -26,7 +26,7 @@ from fxpar.blocks import BLOCK_OPS
 from fxpar.capture import Sharing, capture, capture_joint, export_fake, with_shared_blocks
 from fxpar.capture_memo import reused
 from fxpar.capture_twins import CaptureTwins, moved_capture
-from fxpar.errors import PlanError, warn_at_callers_line
+from fxpar.errors import PlanError
 from fxpar.gc_pause import without_gc_pauses
 from fxpar.ir import Program
 from fxpar.lower import RankProgram, lower
@@ -39,13 +39,13 @@ from fxpar.random_draws import warn_if_not_the_single_devices
 from fxpar.roles import Roles
 from fxpar.schedules import Schedule, make_schedule
 from fxpar.split import CONTEXT_AXIS, batch_ranks
+from fxpar.stage_state import warn_if_state_held_by_no_stage
 from fxpar.stage_twins import Shift, find_twins
 from fxpar.stages import Split, data_nodes, node_cost, split_stages
 
 # "0": under a schedule without W actions, a backward whose input gradient goes to another rank runs whole (the
 # gradient is sent after the weight gradients), as before; read when the model is compiled
 HALVES_ENV = "FXPAR_BACKWARD_HALVES"
-STATE_HELD_BY_NO_STAGE = "held by no pipeline stage"  # the warning's words (``fxpar.modes`` filters it)
 
 
 @dataclass(frozen=True)
@@ -193,23 +193,6 @@ def compile_model(model: torch.nn.Module, mesh: Mesh, example_inputs: Any, plan:
         timings["recompute_budget"] = time.perf_counter() - start
     return Compiled(mesh, resolved, programs, schedule, m, n_user, kind, out_spec, keys, timings, constants,
                     training=user_model.training)
-
-
-def warn_if_state_held_by_no_stage(model: torch.nn.Module, programs: list[Program]) -> None:
-    """Say which of ``model``'s parameters and persistent buffers no pipeline stage holds: the split gives each
-    stage the state its graph reads, so state the forward never reads is on no rank (``pm.state_dict()``,
-    ``pm.parameters()`` and checkpoints leave it out; the model keeps its own values)."""
-    held = {fqn for p in programs for fqn, _ in (*p.signature.params, *p.signature.buffers)}
-    skipped = {f"{path}.{name}" if path else name for path, m in model.named_modules()
-               for name in m._non_persistent_buffers_set}
-    missing = [fqn for fqn, _ in (*model.named_parameters(), *model.named_buffers())
-               if fqn not in held and fqn not in skipped]
-    if missing:
-        shown = ", ".join(repr(f) for f in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        warn_at_callers_line(f"fxpar: {len(missing)} parameters or buffers are {STATE_HELD_BY_NO_STAGE}, because "
-                             f"the model's forward reads none of them: {shown}. pm.parameters(), pm.state_dict() "
-                             "and fxpar.checkpoint leave them out (the model keeps its own values); without "
-                             "stages every rank holds them")
 
 
 def _is_tensor(x: Any) -> bool:

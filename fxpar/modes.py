@@ -26,11 +26,13 @@ from typing import Any
 
 import torch
 
-from fxpar.compiled import STATE_HELD_BY_NO_STAGE, Compiled, compile_model
+from fxpar.compiled import Compiled, compile_model
 from fxpar.errors import FxparWarning
 from fxpar.input_shapes import InputCheck
-from fxpar.params import bind_runners, non_persistent_buffers
+from fxpar.params import bind_runners
 from fxpar.plan import Plan
+from fxpar.stage_state import STATE_HELD_BY_NO_STAGE
+from fxpar.state_paths import non_persistent_buffers
 from fxpar.verify import verify
 
 

@@ -24,6 +24,7 @@ from fxpar.mesh import Mesh
 from fxpar.random_draws import draws_random, sync_generators
 from fxpar.rank_spec import StageSpec, stage_spec
 from fxpar.rank_step import backward_halves, tie_holders, tie_ranks
+from fxpar.state_paths import non_persistent_buffers, owner_module
 
 
 class RankParameters(torch.nn.Module):
@@ -105,21 +106,9 @@ class RankParameters(torch.nn.Module):
 def register_param(root: torch.nn.Module, fqn: str, param: torch.nn.Parameter) -> None:
     """Register ``param`` on ``root`` under the dotted path ``fqn`` (creating empty submodules on the way); optimizer
     steps over it compute on its local shard (``fxpar.local_optimizer``)."""
-    mod, leaf = _owner(root, fqn)
+    mod, leaf = owner_module(root, fqn)
     mod.register_parameter(leaf, param)
     own_parameter(param)
-
-
-def _owner(root: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
-    """The submodule of ``root`` that holds the dotted path ``fqn`` (empty modules created on the way), and the
-    path's last name."""
-    *path, leaf = fqn.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part) or not isinstance(getattr(mod, part), torch.nn.Module):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    return mod, leaf
 
 
 def stage_buffer_values(root: torch.nn.Module, st: StageSpec, buffers: dict[str, torch.Tensor],
@@ -143,15 +132,9 @@ def stage_buffer_values(root: torch.nn.Module, st: StageSpec, buffers: dict[str,
     return out
 
 
-def non_persistent_buffers(model: torch.nn.Module) -> frozenset[str]:
-    """Paths of ``model``'s buffers that its ``state_dict`` leaves out (``register_buffer(..., persistent=False)``)."""
-    return frozenset(f"{path}.{name}" if path else name for path, m in model.named_modules()
-                     for name in m._non_persistent_buffers_set)
-
-
 def register_buffer(root: torch.nn.Module, fqn: str, value: torch.Tensor, persistent: bool = True) -> torch.Tensor:
     """Register ``value`` as a buffer on ``root`` under the dotted path ``fqn``; return it."""
-    mod, leaf = _owner(root, fqn)
+    mod, leaf = owner_module(root, fqn)
     mod.register_buffer(leaf, value, persistent=persistent)
     return value
 

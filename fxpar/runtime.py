@@ -30,13 +30,14 @@ from fxpar.memory import Memory
 from fxpar.memory import predict as predict_memory
 from fxpar.mesh import Mesh
 from fxpar.modes import ModeRun, ModeSource, ModeSwitching
-from fxpar.params import RankParameters, materialize, non_persistent_buffers
+from fxpar.params import RankParameters, materialize
 from fxpar.plan import Plan
 from fxpar.printer import ledger_table, print_rank_programs
 from fxpar.rank_spec import rank_spec
 from fxpar.rank_step import StepEvent, rank_step, step_ledger
 from fxpar.schedules import Schedule
 from fxpar.stages import stage_costs
+from fxpar.state_paths import non_persistent_buffers
 from fxpar.unreached import decide_unreached, watch_unreached
 
 

@@ -27,6 +27,7 @@ from fxpar.blocks import BLOCK_CONTAINERS
 from fxpar.capture import _clean_module_path
 from fxpar.errors import PlanError, close_matches
 from fxpar.ir import graph_module
+from fxpar.stage_state import hold_unread_state
 from fxpar.structure import structure_of
 
 aten = torch.ops.aten
@@ -400,55 +401,6 @@ def _build_stage(gm: fx.GraphModule, stage: dict[fx.Node, int], s: int, needed: 
     sub = graph_module(gm, g)
     _constants_stay_constants(sub, gm)
     return StageGraph(s, sub, [a.name for a in received], used_inputs, sent)
-
-
-def hold_unread_state(gm: fx.GraphModule, graphs: list[StageGraph]) -> None:
-    """Give each parameter and buffer of ``gm`` that no stage's graph reads to one stage: the stage whose graph
-    reads the state with the longest module path in common with it (stage 0 where none shares a prefix).
-
-    Requires: ``graphs`` are ``gm``'s stage graphs, which read state through ``get_attr``. Ensures: every tensor of
-    ``gm``'s ``named_parameters()`` and ``named_buffers()`` is an attribute of exactly one stage module (tied
-    tensors once), so a stage's trace takes it as an input and the rank holds it, as a whole-model capture holds
-    every parameter: its gradient is None, and ``pm.state_dict()`` and checkpoints keep it."""
-    reads = [{x.target for x in g.gm.graph.nodes if x.op == "get_attr"} for g in graphs]
-    held = {id(t) for g in graphs for t in (*g.gm.parameters(), *g.gm.buffers())}
-    state = [*((True, name, t) for name, t in gm.named_parameters()),
-             *((False, name, t) for name, t in gm.named_buffers())]
-    for is_param, fqn, t in state:
-        if id(t) in held:
-            continue
-        held.add(id(t))
-        s = max(range(len(graphs)), key=lambda k: (max((_common_prefix(fqn, r) for r in reads[k]), default=0), -k))
-        owner_path, _, leaf = fqn.rpartition(".")
-        owner = _submodule(graphs[s].gm, owner_path)
-        if is_param:
-            owner.register_parameter(leaf, t)
-        else:
-            owner.register_buffer(leaf, t, persistent=leaf not in _owner_of(gm, owner_path)._non_persistent_buffers_set)
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """How many leading module names the dotted paths ``a`` and ``b`` share (their last names excluded)."""
-    n = 0
-    for x, y in zip(a.split(".")[:-1], b.split(".")[:-1], strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _submodule(root: torch.nn.Module, path: str) -> torch.nn.Module:
-    """``root``'s submodule at ``path``, plain ``nn.Module``s made on the way where ``root`` has none."""
-    mod = root
-    for part in path.split(".") if path else []:
-        if not isinstance(getattr(mod, part, None), torch.nn.Module):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    return mod
-
-
-def _owner_of(root: torch.nn.Module, path: str) -> torch.nn.Module:
-    return root.get_submodule(path) if path else root
 
 
 def _constants_stay_constants(sub: fx.GraphModule, gm: fx.GraphModule) -> None:
