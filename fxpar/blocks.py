@@ -150,13 +150,37 @@ class BlockTable:
     sites: dict[int, Site] = field(default_factory=dict)
     _runs: dict[tuple[Any, ...], list[_Run]] = field(default_factory=dict)  # key -> its variants, by reads
     detached: dict[str, BlockState] = field(default_factory=dict)  # path -> state the export did not see
+    # where a call's outputs come from: ``route(site, tensors, issue)``; None: ``issue()``, the call's own op
+    # (``fxpar.block_chain``: a dry run's fresh outputs, or one op for a run of calls the model's loop makes)
+    route: Callable[[Site, list[torch.Tensor], Callable[[], list[torch.Tensor]]], list[torch.Tensor]] | None = None
+    chains: dict[int, Any] = field(default_factory=dict)  # the one call of each run of calls (``fxpar.block_chain``)
 
     def __post_init__(self) -> None:
-        weakref.finalize(self, _forget, self.sites)
+        weakref.finalize(self, _forget, self.sites, self.chains)
 
 
-def _forget(sites: dict[int, Site]) -> None:
-    for i in sites:
+def _forget(*ids: dict[int, Any]) -> None:
+    for some in ids:
+        for i in some:
+            _OUT_META.pop(i, None)
+
+
+def new_site_id() -> int:
+    """An id no call has: a run of calls exported as one op takes one (``fxpar.block_chain``)."""
+    return next(_site_ids)
+
+
+def out_meta(site_id: int) -> tuple[tuple[Any, ...], ...]:
+    """Shape, stride and dtype of each tensor output of call ``site_id``."""
+    return _OUT_META[site_id]
+
+
+def set_out_meta(site_id: int, meta: tuple[tuple[Any, ...], ...]) -> None:
+    _OUT_META[site_id] = meta
+
+
+def drop_out_meta(site_ids: list[int]) -> None:
+    for i in site_ids:
         _OUT_META.pop(i, None)
 
 
@@ -268,7 +292,11 @@ def _opaque_forward(table: BlockTable, path: str, module: torch.nn.Module, forwa
                     run.out_spec, run.out_constants, templates, (*key, variant), run.reads)
         table.sites[site.id] = site
         _OUT_META[site.id] = run.out_meta
-        outs = iter(block_call(site.id, [*tensors, *_state_inputs(module, state, params, buffers)]))
+
+        def issue() -> list[torch.Tensor]:
+            return list(block_call(site.id, [*tensors, *_state_inputs(module, state, params, buffers)]))
+
+        outs = iter(table.route(site, tensors, issue) if table.route is not None else issue())
         return pytree.tree_unflatten([next(outs) if c is TENSOR else c for c in site.out_constants], run.out_spec)
 
     call.original = forward  # type: ignore[attr-defined]

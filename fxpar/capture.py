@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar import blocks as _blocks_module
 from fxpar.batch_norm import CAPTURE_DECOMPOSITIONS
+from fxpar.block_chain import ChainBroken, ChainRouter, chains_enabled, expand_chains, plan_chains
 from fxpar.block_reads import no_attribute_writes
 from fxpar.block_state import Stripped, detached_state, held_elsewhere, restore_block_state, strip_block_state
 from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque_blocks, sharing_enabled
@@ -142,10 +143,7 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     blocks = None
     with tracing(), fake_mode:
         if found:
-            table = BlockTable(found)
-            with opaque_blocks(table, fake_mode, detach=detach and not held_elsewhere(model, found)), \
-                    no_attribute_writes(model):
-                ep = _export(model, fake_args)
+            ep, table = _export_opaque(model, fake_args, found, fake_mode, detach and not held_elsewhere(model, found))
             blocks = Blocks(table, fake_mode, tracing)
         else:
             ep = _export(model, fake_args)
@@ -157,6 +155,39 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
             name_as_whole(gm, blocks)
         detached = detached_state(gm, model, blocks.table)
     return Exported(gm, fake_mode, fake_args, ep.call_spec.out_spec, blocks, share.reason, detached)
+
+
+def _export_opaque(model: torch.nn.Module, fake_args: tuple[Any, ...], found: dict[str, torch.nn.Module],
+                   fake_mode: FakeTensorMode, detach: bool) -> tuple[torch.export.ExportedProgram, BlockTable]:
+    """The export with the ``found`` blocks opaque; with ``detach``, each run of calls the model's loop makes is one
+    op (``fxpar.block_chain``), or, where the export does not call them as the plan saw, a call per layer."""
+    table = BlockTable(found)
+
+    def opaque(detaching: bool, call: Callable[[], T]) -> T:
+        with opaque_blocks(table, fake_mode, detach=detaching), no_attribute_writes(model):
+            return call()
+
+    chains = plan_chains(table, lambda: opaque(True, lambda: _called(model, fake_args))) \
+        if detach and chains_enabled() else []
+    if chains:
+        router = ChainRouter(table, chains)
+        table.route = router.route
+        try:
+            ep = opaque(True, lambda: _export(model, fake_args))
+            router.finish()
+            return ep, table
+        except ChainBroken as e:
+            log.debug("block runs not exported as one call (%s); a call per layer", e)
+            table = BlockTable(found, _runs=table._runs)  # (the blocks' fake runs stay valid)
+        finally:
+            router.table.route = None
+    return opaque(detach, lambda: _export(model, fake_args)), table
+
+
+def _called(model: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+    """``model(*args)`` as the export calls it (a Hugging Face model without its KV cache)."""
+    with without_kv_cache(model):
+        return model(*args)
 
 
 def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.Module, mesh: Mesh,
@@ -177,6 +208,8 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         except Exception as e:  # noqa: BLE001 - e.g. an op without a derivative
             raise CaptureError(explain_trace_failure(model, e, module.graph)) from e
         gm = joint.graph_module
+        if exported.blocks is not None:
+            expand_chains(gm, exported.blocks.table, exported.fake_mode)
         if stripped is not None:
             restore_block_state(gm, stripped, exported.fake_mode)
         if exported.blocks is not None:

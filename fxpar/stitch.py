@@ -27,8 +27,9 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from fxpar.batch_norm import CAPTURE_DECOMPOSITIONS
+from fxpar.block_chain import chain_members
 from fxpar.block_reads import check_reads_unchanged, recording_reads
-from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name
+from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name, out_meta
 from fxpar.creation_order import dead_names_before, recording_names
 from fxpar.grad_accumulation import absorbed, accumulation_chains
 from fxpar.ir import Provenance, graph_module
@@ -47,13 +48,15 @@ TEMPLATE = "fxpar_template"
 class Captures:
     """How a model was captured (``Program.notes["captures"]``): ``blocks`` calls of repeated blocks traced as
     ``distinct`` captures, or the whole model traced (``whole``, with the reason when sharing was tried);
-    ``stages_copied``: pipeline stages whose joint is an earlier stage's with paths moved (``fxpar.capture_twins``)."""
+    ``stages_copied``: pipeline stages whose joint is an earlier stage's with paths moved (``fxpar.capture_twins``);
+    ``chained``: block calls the model's own trace saw as runs, one op for each run (``fxpar.block_chain``)."""
 
     blocks: int = 0
     distinct: int = 0
     whole: bool = True
     reason: str = ""
     stages_copied: int = 0
+    chained: int = 0
 
 
 @dataclass
@@ -113,15 +116,18 @@ class Blocks:
         gradients are sums over its calls, in an order only the whole-model trace knows."""
         if len({site.path for site in self.table.sites.values()}) < len(self.table.sites):
             raise NotShared("a block is called more than once")
-        if len(graph.find_nodes(op="call_function", target=_BLOCK)) < len(self.table.sites):
+        calls = graph.find_nodes(op="call_function", target=_BLOCK)
+        if sum(len(chain_members(self.table, n.args[0])) for n in calls) < len(self.table.sites):
             raise NotShared("a block is called inside a region the export keeps as a subgraph (torch.autocast, "
                             "torch.no_grad inside the model's forward)")
-        for n in graph.nodes:
-            if n.op == "call_function" and n.target is _BLOCK:
-                used = sorted({u.args[1] for u in n.users if u.target is operator.getitem and u.users})
-                if len(used) != len(n.users) and any(u.target is not operator.getitem for u in n.users):
-                    raise NotShared("a block's outputs are read as a list")
-                self.used[n.args[0]] = tuple(used)
+        for n in calls:
+            used = sorted({u.args[1] for u in n.users if u.target is operator.getitem and u.users})
+            if len(used) != len(n.users) and any(u.target is not operator.getitem for u in n.users):
+                raise NotShared("a block's outputs are read as a list")
+            *before, last = chain_members(self.table, n.args[0])
+            for site_id in before:  # a run's calls before its last: the next call reads every output
+                self.used[site_id] = tuple(range(len(out_meta(site_id))))
+            self.used[last] = tuple(used)
 
     def key(self, site_id: int) -> tuple[Any, ...]:
         return (self.table.sites[site_id].key, self.used[site_id])
@@ -134,7 +140,8 @@ class Blocks:
         return self.reps[key]
 
     def summary(self) -> Captures:
-        return Captures(blocks=len(self.used), distinct=len(self.reps), whole=False)
+        return Captures(blocks=len(self.used), distinct=len(self.reps), whole=False,
+                        chained=sum(len(chain.sites) for chain in self.table.chains.values()))
 
     def cost(self, site_id: int, data: tuple[bool, ...], node_cost: Any) -> float:
         """The forward cost of a call (``fxpar.stages.node_cost`` summed over the block's nodes that depend on the
@@ -159,11 +166,17 @@ def name_as_whole(gm: fx.GraphModule, blocks: Blocks) -> None:
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target is _BLOCK:
             continue
         if n.op == "call_function" and n.target is _BLOCK:
-            rep = blocks.of(n.args[0])
+            *before, last = chain_members(blocks.table, n.args[0])
+            for site_id in before:  # the calls a run's one op stands for, before its last, take their names too
+                for r in blocks.of(site_id).forward_graph.nodes:
+                    if r.op == "call_function":
+                        ns.create_name(base_name(r.name), None)
+                ns.create_name("_fxpar_block", None)
+            rep = blocks.of(last)
             made = {r: ns.create_name(base_name(r.name), None) for r in rep.forward_graph.nodes
                     if r.op == "call_function"}
             outs = rep.forward_graph.output_node().args[0]
-            used = blocks.used[n.args[0]]
+            used = blocks.used[last]
             for u in n.users:
                 u.name = made[outs[used.index(u.args[1])]] if u.users else ns.create_name("_fxpar_unused", None)
             n.name = ns.create_name("_fxpar_block", None)
