@@ -35,6 +35,7 @@ from fxpar.grad_accumulation import absorbed, accumulation_chains
 from fxpar.ir import Provenance, graph_module
 from fxpar.source import _clean_module_path, user_source
 from fxpar.token_rows import token_rows_unflattened
+from fxpar.whole_names import Names
 
 _BLOCK, _BLOCK_BACKWARD = BLOCK_OPS
 _THIS_FILE = os.path.abspath(__file__)
@@ -348,7 +349,6 @@ def _same_layout(a: Any, b: Any) -> bool:
     return a.shape == b.shape and a.stride() == b.stride()
 
 
-_ILLEGAL = fx.graph._illegal_names
 _STACK_KEYS = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace")
 
 
@@ -375,46 +375,6 @@ def _dead_without_blocks(graph: fx.Graph, blocks: Blocks) -> set[fx.Node]:
                 all(unread(u, n) for u in n.users):
             dead.add(n)
     return dead
-
-
-class Names:
-    """Names for nodes copied into ``g`` from one traced graph (the model's own, or one call of a block's), in its
-    order, as one trace of everything gives them: the tracer numbers ``mm``, ``mm_1``, ... and a name the source
-    skips (a node it made, then dropped as dead code, as the whole-model trace does too) is taken here too."""
-
-    def __init__(self, g: fx.Graph) -> None:
-        self.ns = g._graph_namespace
-        self.last: dict[str, int] = {}
-
-    def take(self, name: str) -> str:
-        """The base name to create a copy of source node ``name`` under (after taking the names it skipped)."""
-        base, k = split_name(name)
-        for _ in range(k - self.last.get(base, -1) - 1):
-            self.ns.create_name(base, None)
-        self.last[base] = k
-        return base
-
-    def take_dropped(self, names: Any, unpacked: set[str] | frozenset[str] = frozenset()) -> None:
-        """Take the names of nodes the source's trace made and dropped here (``fxpar.creation_order``); names in
-        ``unpacked`` are skipped (outputs of a block call: a whole-model trace names the block's own nodes)."""
-        for name in names:
-            if name in unpacked:
-                self.skip(name)
-            else:
-                self.ns.create_name(self.take(name), None)
-
-    def skip(self, name: str) -> None:
-        """Source node ``name`` is not copied, and no whole-model trace has it (a block call's output)."""
-        base, k = split_name(name)
-        self.last[base] = k
-
-
-def split_name(name: str) -> tuple[str, int]:
-    """(base, how many names of that base came before): ``mm_12`` -> ("mm", 12); ``mm`` -> ("mm", 0); a Python
-    builtin's base is never used bare: ``slice_1`` is the first slice -> ("slice", 0)."""
-    base = base_name(name)
-    k = int(name[len(base) + 1:]) if base != name else 0
-    return base, k - 1 if base in _ILLEGAL and k > 0 else k
 
 
 def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], rep: Representative, path: str,

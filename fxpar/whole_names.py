@@ -1,0 +1,56 @@
+"""Names for nodes copied from traces of parts of a model, as one trace of everything gives them.
+
+``fxpar.stitch`` copies the model's own joint graph and each block call's nodes into one graph. A tracer numbers
+``mm``, ``mm_1``, ... in the order it creates nodes; ``Names`` asks ``torch.fx`` for the base name each source node
+was created under, after taking the names the source skipped, so the copy is numbered as the whole-model trace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from fxpar.blocks import base_name
+
+_ILLEGAL = fx.graph._illegal_names
+
+
+class Names:
+    """Names for nodes copied into ``g`` from one traced graph (the model's own, or one call of a block's), in its
+    order, as one trace of everything gives them: the tracer numbers ``mm``, ``mm_1``, ... and a name the source
+    skips (a node it made, then dropped as dead code, as the whole-model trace does too) is taken here too."""
+
+    def __init__(self, g: fx.Graph) -> None:
+        self.ns = g._graph_namespace
+        self.last: dict[str, int] = {}
+
+    def take(self, name: str) -> str:
+        """The base name to create a copy of source node ``name`` under (after taking the names it skipped)."""
+        base, k = split_name(name)
+        for _ in range(k - self.last.get(base, -1) - 1):
+            self.ns.create_name(base, None)
+        self.last[base] = k
+        return base
+
+    def take_dropped(self, names: Any, unpacked: set[str] | frozenset[str] = frozenset()) -> None:
+        """Take the names of nodes the source's trace made and dropped here (``fxpar.creation_order``); names in
+        ``unpacked`` are skipped (outputs of a block call: a whole-model trace names the block's own nodes)."""
+        for name in names:
+            if name in unpacked:
+                self.skip(name)
+            else:
+                self.ns.create_name(self.take(name), None)
+
+    def skip(self, name: str) -> None:
+        """Source node ``name`` is not copied, and no whole-model trace has it (a block call's output)."""
+        base, k = split_name(name)
+        self.last[base] = k
+
+
+def split_name(name: str) -> tuple[str, int]:
+    """(base, how many names of that base came before): ``mm_12`` -> ("mm", 12); ``mm`` -> ("mm", 0); a Python
+    builtin's base is never used bare: ``slice_1`` is the first slice -> ("slice", 0)."""
+    base = base_name(name)
+    k = int(name[len(base) + 1:]) if base != name else 0
+    return base, k - 1 if base in _ILLEGAL and k > 0 else k
