@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._export.utils import _compiling_state_context
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -185,9 +186,11 @@ def _export_opaque(model: torch.nn.Module, fake_args: tuple[Any, ...], found: di
 
 
 def _called(model: torch.nn.Module, args: tuple[Any, ...]) -> Any:
-    """``model(*args)`` as the export calls it (a Hugging Face model without its KV cache; fake-tensor mode's report of
-    an op that fails on fake inputs not logged: the plan is then simply empty)."""
-    with without_kv_cache(model), _meta_failures_unlogged():
+    """``model(*args)`` as the export calls it: a Hugging Face model without its KV cache, and with
+    ``torch.compiler.is_compiling()`` and ``is_exporting()`` true, as the export sets them (HF's MoE layers pick their
+    kernel by them). Fake-tensor mode's report of an op that fails on fake inputs is not logged: the plan is then
+    simply empty."""
+    with without_kv_cache(model), _meta_failures_unlogged(), _compiling_state_context():
         return model(*args)
 
 

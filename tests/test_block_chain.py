@@ -45,7 +45,8 @@ def _assert_as_whole(pm: fxpar.ParallelModule, build: Callable[[], torch.nn.Modu
     (loop_models.middle_out, 6),  # two runs: layers 0-2 and 3-5 (layer 2's output is returned)
     (loop_models.kept_states, 0),  # every output is read at the end
     (loop_models.scaled_between, 0),  # an op reads every output
-], ids=["plain", "middle_out", "kept_states", "scaled_between"])
+    (loop_models.eager_between, 6),  # the op between layers runs only outside an export: the plan run sees that too
+], ids=["plain", "middle_out", "kept_states", "scaled_between", "eager_between"])
 def test_runs_are_exported_as_one_call_only_where_the_model_proves_them(build: Callable[[], torch.nn.Module],
                                                                       chained: int,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:

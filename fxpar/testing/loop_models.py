@@ -7,6 +7,8 @@ for the runs of calls exported as one op (``fxpar.block_chain``).
 * ``scaled_between``: ``h = 0.5 * layer(h, pos)`` (no run: an op reads each output).
 * ``trained_context``: every layer reads a context computed from a parameter (no run: its gradient sums over the
   layers).
+* ``eager_between``: ``h = 0.5 * h`` between layers only when not exported (``torch.compiler.is_exporting()``, as
+  Hugging Face's MoE layers pick their kernel): exported, one run.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class _Loop(nn.Module):
         kept, middle = [], None
         for i, layer in enumerate(self.layers):
             h = layer(h, context)
-            if self.kind == "scaled_between":
+            if self.kind == "scaled_between" or self.kind == "eager_between" and not torch.compiler.is_exporting():
                 h = 0.5 * h
             kept.append(h)
             if i == 2:
@@ -70,3 +72,7 @@ def scaled_between(width: int = 16, layers: int = 6) -> nn.Module:
 
 def trained_context(width: int = 16, layers: int = 6) -> nn.Module:
     return _Loop(width, layers, "trained_context")
+
+
+def eager_between(width: int = 16, layers: int = 6) -> nn.Module:
+    return _Loop(width, layers, "eager_between")
