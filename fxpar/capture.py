@@ -43,7 +43,7 @@ from fxpar.simplify import (
     round_trip_views,
     tokens_unflattened,
 )
-from fxpar.source import _clean_module_path, user_source
+from fxpar.source import _clean_module_path, traced_provenance, user_source
 from fxpar.split import CONTEXT_AXIS
 from fxpar.state_guard import model_state_unchanged, uninitialized
 from fxpar.stitch import Blocks, Captures, name_as_whole, stitch, without_onednn
@@ -444,8 +444,4 @@ def _signature(gm: fx.GraphModule, joint: Any, fake_args: tuple[Any, ...], canon
 def _provenance(n: fx.Node) -> Provenance:
     if "fxpar_provenance" in n.meta:  # copied from a repeated block's graph (``fxpar.stitch``)
         return n.meta["fxpar_provenance"]
-    phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
-    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
-    module = list(stack.values())[-1][0] if stack else ""
-    module = _clean_module_path(module)
-    return Provenance(module=module, source=user_source(n.meta.get("stack_trace")), phase=phase)
+    return traced_provenance(n)

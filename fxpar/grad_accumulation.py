@@ -8,6 +8,11 @@ block traced alone sums its own two first (``c1 + c2``), and the model's graph a
 up to rounding, in another order, printed differently. ``fxpar.stitch`` rebuilds the whole-model order: it
 starts the block's sum from the outside accumulator and drops the model's add (``absorbed``).
 
+When the block's gradient of such a tensor is one contribution of its own (no sum inside the block), the
+whole-model trace adds it onto the accumulator as soon as autograd has run the backward of the op that made it
+(the nodes sharing its ``seq_nr``), in the middle of the block's backward; the model's graph adds it after the
+whole block. ``fxpar.stitch`` emits the model's add where the whole-model trace has it (``added_after``).
+
 A block's accumulation for input ``x`` is the chain of ``is_gradient_acc`` adds ending at ``x``'s gradient,
 at most one fewer than ``x``'s uses in the block's forward (an add further down sums another tensor's
 contributions, and stays as it is).
@@ -62,3 +67,34 @@ def absorbed(call: fx.Node, chains: Mapping[int, fx.Node], env: Mapping[fx.Node,
                 add.args[0] in env:
             out[add] = first
     return out
+
+
+def added_after(call: fx.Node, rep_backward: list[fx.Node], chains: Mapping[int, fx.Node], grads: Mapping[int, fx.Node],
+                env: Mapping[fx.Node, Any]) -> dict[fx.Node, tuple[fx.Node, fx.Node]]:
+    """The model's accumulation adds onto ``call``'s gradients (a ``fxpar::block_backward`` node) whose gradient
+    is one contribution the block computes (no sum of its own: ``chains`` has none): {the model's add: (the
+    contribution's node in ``rep_backward``, the last node of the op backward that computes it)}. Only an add of
+    an accumulator already computed (``env``) onto the block's gradient as the new contribution qualifies."""
+    grad_inputs = call.args[4]
+    position = {r: i for i, r in enumerate(rep_backward)}
+    out: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+    for item in call.users:
+        if item.target is not operator.getitem or len(item.users) != 1:
+            continue
+        add = next(iter(item.users))
+        index = grad_inputs[item.args[1]]
+        contribution = grads.get(index)
+        if index in chains or contribution not in position or any(u.op != "output" for u in contribution.users):
+            continue
+        if is_accumulation(add) and add.args[1] is item and add.args[0] is not item and add.args[0] in env:
+            out[add] = (contribution, _op_backward_end(rep_backward, position[contribution]))
+    return out
+
+
+def _op_backward_end(nodes: list[fx.Node], i: int) -> fx.Node:
+    """The last of the nodes from ``nodes[i]`` on that autograd made for the same op's backward (its ``seq_nr``)."""
+    seq = nodes[i].meta.get("seq_nr")
+    while seq is not None and i + 1 < len(nodes) and nodes[i + 1].meta.get("seq_nr") == seq \
+            and not is_accumulation(nodes[i + 1]):
+        i += 1
+    return nodes[i]

@@ -7,6 +7,8 @@ import re
 
 import torch
 
+from fxpar.ir import Provenance
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
 
@@ -29,3 +31,12 @@ def _clean_module_path(path: str) -> str:
     """``L['self'].layers[0].mlp`` / ``layers.0.mlp`` -> ``layers.0.mlp``."""
     path = re.sub(r"^L\['self'\]\.?", "", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+
+
+def traced_provenance(n: torch.fx.Node) -> Provenance:
+    """Where a traced node comes from: the innermost module of its ``nn_module_stack``, the user's line of its stack
+    trace, and its phase (AOTAutograd tags the backward's nodes)."""
+    phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
+    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+    module = _clean_module_path(list(stack.values())[-1][0]) if stack else ""
+    return Provenance(module=module, source=user_source(n.meta.get("stack_trace")), phase=phase)

@@ -31,9 +31,9 @@ from fxpar.block_chain import chain_members
 from fxpar.block_reads import check_reads_unchanged, recording_reads
 from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name, out_meta
 from fxpar.creation_order import dead_names_before, recording_names
-from fxpar.grad_accumulation import absorbed, accumulation_chains
+from fxpar.grad_accumulation import absorbed, accumulation_chains, added_after
 from fxpar.ir import Provenance, graph_module
-from fxpar.source import _clean_module_path, user_source
+from fxpar.source import _clean_module_path, traced_provenance, user_source
 from fxpar.token_rows import token_rows_unflattened
 from fxpar.whole_names import Names
 
@@ -292,9 +292,12 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
     # names the trace made for nodes it then dropped; a block call's unused outputs have none in a whole-model trace
     dropped, dropped_last, unpacked = dead_names_before(gm.graph, lambda n: n.target in BLOCK_OPS)
     merged: dict[fx.Node, fx.Node] = {}  # the model's gradient adds a block's own sum starts from instead
+    early: dict[fx.Node, fx.Node] = {}  # the model's gradient adds emitted inside a block's backward -> their copy
     for n in gm.graph.nodes:
         outer.take_dropped(dropped.get(n.name, ()), unpacked)
-        if n in merged:  # its sum is the block's, started from this add's accumulator (fxpar.grad_accumulation)
+        if n in early:  # emitted where the whole-model trace adds it (fxpar.grad_accumulation)
+            env[n] = early[n]
+        elif n in merged:  # its sum is the block's, started from this add's accumulator (fxpar.grad_accumulation)
             env[n] = env[n.args[1]]
             outer.skip(n.name)
         elif n in dead:  # read only by a block that ignores it: the whole-model trace made it, then dropped it
@@ -329,7 +332,8 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
             starts = absorbed(n, rep.sums, env)
             merged.update(starts)
             onto = {first: env[add.args[0]] for add, first in starts.items()}
-            _copy_all(g, rep.backward, renv, rep, site.path, source, names, rep.dead_after[1], onto)
+            then = _outer_adds(g, added_after(n, rep.backward, rep.sums, rep.grads, env), env, renv, outer, early)
+            _copy_all(g, rep.backward, renv, rep, site.path, source, names, rep.dead_after[1], onto, then)
             env[n] = {j: renv[rep.grads[i]] for j, i in enumerate(grad_inputs)}
         elif n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target in BLOCK_OPS:
             env[n] = env[n.args[0]][n.args[1]]
@@ -377,10 +381,32 @@ def _dead_without_blocks(graph: fx.Graph, blocks: Blocks) -> set[fx.Node]:
     return dead
 
 
+def _outer_adds(g: fx.Graph, adds: dict[fx.Node, tuple[fx.Node, fx.Node]], env: dict[fx.Node, Any],
+                renv: dict[fx.Node, fx.Node], outer: Names, early: dict[fx.Node, fx.Node]
+                ) -> dict[fx.Node, list[Any]]:
+    """For ``_copy_all``: after which block node to emit each of the model's ``adds`` (``added_after``), as a
+    callable that makes its copy (recorded in ``early``, so the model's own node is not copied again)."""
+    then: dict[fx.Node, list[Any]] = {}
+    for add, (contribution, end) in adds.items():
+        def emit(add: fx.Node = add, contribution: fx.Node = contribution) -> None:
+            new = g.create_node(add.op, add.target, (env[add.args[0]], renv[contribution]),
+                                fx.map_arg(add.kwargs, lambda a: env[a]), name=outer.take(add.name), type_expr=add.type)
+            new.meta = dict(add.meta)  # the whole-model trace's add has the line of the op backward it follows
+            own = traced_provenance(add)
+            source = renv[contribution].meta["fxpar_provenance"].source  # (a block node's copy: ``_copied_meta``)
+            new.meta["fxpar_provenance"] = Provenance(own.module, source, own.phase)
+            early[add] = new
+        then.setdefault(end, []).append(emit)
+    return then
+
+
 def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], rep: Representative, path: str,
-              source: str, names: Names, dropped_after: list[str], onto: dict[fx.Node, fx.Node] | None = None) -> None:
+              source: str, names: Names, dropped_after: list[str], onto: dict[fx.Node, fx.Node] | None = None,
+              then: dict[fx.Node, list[Any]] | None = None) -> None:
     """Copy ``nodes`` of ``rep`` into ``g``. ``onto``: the first add of a gradient sum -> the accumulator it starts
-    from (``fxpar.grad_accumulation``): its first contribution is added onto it as soon as it is computed."""
+    from (``fxpar.grad_accumulation``): its first contribution is added onto it as soon as it is computed.
+    ``then``: block node -> what to emit right after its copy (the model's adds ``_outer_adds`` places)."""
+    then = then or {}
     onto = onto or {}
     copied = set(nodes)
     after = {first.args[0]: first for first in onto if first.args[0] in copied}
@@ -400,6 +426,8 @@ def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], r
         if r in after:
             first = after[r]
             started[first] = _start_sum(g, onto[first], new, first, rep, path, source)
+        for emit in then.get(r, ()):
+            emit()
     names.take_dropped(dropped_after)
 
 

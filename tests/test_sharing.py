@@ -410,6 +410,26 @@ def test_a_block_sums_outside_gradients_in_the_whole_model_order(monkeypatch: py
     assert texts[True] == texts[False]
 
 
+def test_a_blocks_one_contribution_is_added_where_the_whole_model_adds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoder-decoder whose decoder layers each read the encoder's output once: each layer's contribution to
+    its gradient is added onto the running sum right after the op backward that computes it, mid-layer, as the
+    whole-model trace adds it (it was added after the layer's whole backward: the same numbers, another program
+    and ledger order), on dp=2 with ZeRO-3 and on a 2-stage pipeline."""
+    from fxpar.testing.block_models import encoder_decoder
+    from fxpar.testing.loss_models import mean_square
+
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(4, 6, 16, generator=g), torch.randn(4, 5, 16, generator=g))
+    for axes, plan in (({"dp": 2}, fxpar.Plan(zero=3)), ({"pp": 2}, fxpar.Plan(stages=2, microbatches=2))):
+        texts = {}
+        for on in (True, False):
+            with sharing(on, monkeypatch):
+                pm = _compile(encoder_decoder, axes, inputs, plan, loss_fn=mean_square)
+                assert pm._compiled.stages[0].notes["captures"].whole is not on
+                texts[on] = [(pm.program(r, verbosity=2), pm.ledger(r)) for r in range(2)]
+        assert texts[True] == texts[False]
+
+
 def test_a_gradient_in_another_layout_than_the_block_traced_is_captured_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """The blocks' outputs keep a transposed layout, so the block is traced with such a gradient; the last block's
     comes back contiguous from the pooled head. Its graph would copy where the whole-model one views: the model is
