@@ -130,13 +130,24 @@ class Snapshot:
                                 if k not in MODULE_INTERNALS and k != "_fxpar_reads" and isinstance(x, PLAIN)))
 
 
-def current(module: torch.nn.Module, read: tuple[str, ...]) -> Any:
-    """What ``read`` (a key ``recording_reads`` recorded, not a closure variable's) holds now for ``module``."""
-    where, name = read[-2], read[-1]
-    if read[0] == GLOBAL:
-        return _NAMESPACES[read[1]].get(name, MISSING)
-    fields = module.get_submodule(where).__dict__
-    return Snapshot(fields) if name == "__dict__" else fields.get(name, MISSING)
+def reads_hold(module: torch.nn.Module, reads: dict[tuple[str, ...], Any]) -> bool:
+    """Whether every read in ``reads`` (closure variables aside: see the module docstring) holds the value key it
+    recorded, for ``module`` now (each submodule looked up once: a layer's code reads dozens of its fields)."""
+    fields: dict[str, dict[str, Any]] = {}
+    for read, want in reads.items():
+        if read[0] == CLOSURE:
+            continue
+        if read[0] == GLOBAL:
+            now = _NAMESPACES[read[1]].get(read[-1], MISSING)
+        else:
+            where, name = read[-2], read[-1]
+            held = fields.get(where)
+            if held is None:
+                held = fields[where] = module.get_submodule(where).__dict__
+            now = Snapshot(held) if name == "__dict__" else held.get(name, MISSING)
+        if value_key(now) != want:
+            return False
+    return True
 
 
 def check_reads_unchanged(path: str, then: dict[tuple[str, ...], Any], now: dict[tuple[str, ...], Any]) -> None:

@@ -38,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-from fxpar.block_reads import CLOSURE, PLAIN, current, recording_reads, value_key
+from fxpar.block_reads import PLAIN, reads_hold, recording_reads, value_key
 from fxpar.mixed_precision import raw_parameter
 from fxpar.not_shared import NotShared
 from fxpar.taken_off import BlockState
@@ -332,7 +332,7 @@ def _known_run(table: BlockTable, key: tuple[Any, ...], module: torch.nn.Module)
     block's code depends on nothing else, so this call would run the same way (its fake run is skipped)."""
     runs = table._runs.get(key, [])
     for i, run in enumerate(runs):
-        if all(read[0] == CLOSURE or value_key(current(module, read)) == v for read, v in run.reads.items()):
+        if reads_hold(module, run.reads):
             return i, run
     return len(runs), None
 

@@ -27,7 +27,7 @@ Even splits are the same under both rules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -93,6 +93,8 @@ class Splitter:
     shape: tuple[int, ...]
     batch: int | None = None
     seq: int | None = None  # the sequence length a cp axis splits load-balanced
+    # (total, axis) -> its piece sizes: lowering asks for the same few dims at every node of every layer
+    _sizes: dict[tuple[int, int], tuple[int, ...]] = field(init=False, default_factory=dict, compare=False, repr=False)
 
     def balanced(self, total: int, ax: int) -> bool:
         """Whether a dim of ``total`` is split over axis ``ax`` in load-balanced chunk pairs (the cp sequence)."""
@@ -108,6 +110,12 @@ class Splitter:
         return [*range(index * c, (index + 1) * c), *range((2 * n - 1 - index) * c, (2 * n - index) * c)]
 
     def sizes(self, total: int, ax: int) -> list[int]:
+        known = self._sizes.get((total, ax))
+        if known is None:
+            known = self._sizes[total, ax] = tuple(self._piece_sizes(total, ax))
+        return list(known)
+
+    def _piece_sizes(self, total: int, ax: int) -> list[int]:
         n = self.shape[ax]
         if self.names[ax] == BATCH_AXIS and self.batch and total % self.batch == 0:
             return batch_sizes(total, n, self.batch)  # a multiple of the batch: even only if dp divides the batch
