@@ -21,7 +21,7 @@ contributions, and stays as it is).
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,41 +54,34 @@ def accumulation_chains(inputs: Mapping[fx.Node, int], grads: Mapping[int, fx.No
 
 def absorbed(call: fx.Node, chains: Mapping[int, fx.Node], env: Mapping[fx.Node, Any]) -> dict[fx.Node, fx.Node]:
     """The model's accumulation adds onto ``call``'s gradients (a ``fxpar::block_backward`` node) that the block's
-    own sum should start from instead: {the model's add: the first add of the block's sum}. Only an add of an
-    accumulator already computed (``env``) onto the block's gradient as the new contribution qualifies."""
-    grad_inputs = call.args[4]
-    out: dict[fx.Node, fx.Node] = {}
-    for item in call.users:
-        if item.target is not operator.getitem or len(item.users) != 1:
-            continue
-        add = next(iter(item.users))
-        first = chains.get(grad_inputs[item.args[1]])
-        if first is not None and is_accumulation(add) and add.args[1] is item and add.args[0] is not item and \
-                add.args[0] in env:
-            out[add] = first
-    return out
+    own sum should start from instead: {the model's add: the first add of the block's sum}."""
+    return {add: chains[index] for add, index in _outside_adds(call, env) if index in chains}
 
 
 def added_after(call: fx.Node, rep_backward: list[fx.Node], chains: Mapping[int, fx.Node], grads: Mapping[int, fx.Node],
                 env: Mapping[fx.Node, Any]) -> dict[fx.Node, tuple[fx.Node, fx.Node]]:
-    """The model's accumulation adds onto ``call``'s gradients (a ``fxpar::block_backward`` node) whose gradient
-    is one contribution the block computes (no sum of its own: ``chains`` has none): {the model's add: (the
-    contribution's node in ``rep_backward``, the last node of the op backward that computes it)}. Only an add of
-    an accumulator already computed (``env``) onto the block's gradient as the new contribution qualifies."""
-    grad_inputs = call.args[4]
+    """The model's accumulation adds onto ``call``'s gradients whose gradient is one contribution the block
+    computes (no sum of its own: ``chains`` has none): {the model's add: (the contribution's node in
+    ``rep_backward``, the last node of the op backward that computes it)}."""
     position = {r: i for i, r in enumerate(rep_backward)}
     out: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+    for add, index in _outside_adds(call, env):
+        contribution = grads.get(index)
+        if index not in chains and contribution in position and all(u.op == "output" for u in contribution.users):
+            out[add] = (contribution, _op_backward_end(rep_backward, position[contribution]))
+    return out
+
+
+def _outside_adds(call: fx.Node, env: Mapping[fx.Node, Any]) -> Iterator[tuple[fx.Node, int]]:
+    """(the model's add, the op input whose gradient it adds) for each accumulation add of an accumulator already
+    computed (``env``) onto one of ``call``'s gradients as the new contribution."""
+    grad_inputs = call.args[4]
     for item in call.users:
         if item.target is not operator.getitem or len(item.users) != 1:
             continue
         add = next(iter(item.users))
-        index = grad_inputs[item.args[1]]
-        contribution = grads.get(index)
-        if index in chains or contribution not in position or any(u.op != "output" for u in contribution.users):
-            continue
         if is_accumulation(add) and add.args[1] is item and add.args[0] is not item and add.args[0] in env:
-            out[add] = (contribution, _op_backward_end(rep_backward, position[contribution]))
-    return out
+            yield add, grad_inputs[item.args[1]]
 
 
 def _op_backward_end(nodes: list[fx.Node], i: int) -> fx.Node:
