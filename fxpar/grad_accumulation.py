@@ -21,11 +21,14 @@ contributions, and stays as it is).
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+from fxpar.ir import Provenance
+from fxpar.source import traced_provenance
 
 _ADD = torch.ops.aten.add.Tensor
 
@@ -91,3 +94,23 @@ def _op_backward_end(nodes: list[fx.Node], i: int) -> fx.Node:
             and not is_accumulation(nodes[i + 1]):
         i += 1
     return nodes[i]
+
+
+def emitted_after(g: fx.Graph, adds: Mapping[fx.Node, tuple[fx.Node, fx.Node]], env: Mapping[fx.Node, Any],
+                  renv: Mapping[fx.Node, fx.Node], take_name: Callable[[str], str], early: dict[fx.Node, fx.Node]
+                  ) -> dict[fx.Node, list[Callable[[], None]]]:
+    """For ``fxpar.stitch``'s copy of a block's backward: after which block node to emit each of the model's
+    ``adds`` (``added_after``), as a callable that makes its copy in ``g`` (recorded in ``early``, so the model's
+    own node is not copied again). ``env``/``renv``: the copies of the model's and the block's nodes so far."""
+    then: dict[fx.Node, list[Callable[[], None]]] = {}
+    for add, (contribution, end) in adds.items():
+        def emit(add: fx.Node = add, contribution: fx.Node = contribution) -> None:
+            new = g.create_node(add.op, add.target, (env[add.args[0]], renv[contribution]),
+                                fx.map_arg(add.kwargs, lambda a: env[a]), name=take_name(add.name), type_expr=add.type)
+            new.meta = dict(add.meta)  # the whole-model trace's add has the line of the op backward it follows
+            own = traced_provenance(add)
+            source = renv[contribution].meta["fxpar_provenance"].source  # (a block node's copy: stitch's meta)
+            new.meta["fxpar_provenance"] = Provenance(own.module, source, own.phase)
+            early[add] = new
+        then.setdefault(end, []).append(emit)
+    return then

@@ -31,9 +31,9 @@ from fxpar.block_chain import chain_members
 from fxpar.block_reads import check_reads_unchanged, recording_reads
 from fxpar.blocks import BLOCK_OPS, TENSOR, BlockTable, NotShared, Site, base_name, out_meta
 from fxpar.creation_order import dead_names_before, recording_names
-from fxpar.grad_accumulation import absorbed, accumulation_chains, added_after
+from fxpar.grad_accumulation import absorbed, accumulation_chains, added_after, emitted_after
 from fxpar.ir import Provenance, graph_module
-from fxpar.source import _clean_module_path, traced_provenance, user_source
+from fxpar.source import _clean_module_path, user_source
 from fxpar.token_rows import token_rows_unflattened
 from fxpar.whole_names import Names
 
@@ -332,7 +332,8 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
             starts = absorbed(n, rep.sums, env)
             merged.update(starts)
             onto = {first: env[add.args[0]] for add, first in starts.items()}
-            then = _outer_adds(g, added_after(n, rep.backward, rep.sums, rep.grads, env), env, renv, outer, early)
+            adds_after = added_after(n, rep.backward, rep.sums, rep.grads, env)
+            then = emitted_after(g, adds_after, env, renv, outer.take, early)
             _copy_all(g, rep.backward, renv, rep, site.path, source, names, rep.dead_after[1], onto, then)
             env[n] = {j: renv[rep.grads[i]] for j, i in enumerate(grad_inputs)}
         elif n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0].target in BLOCK_OPS:
@@ -381,31 +382,12 @@ def _dead_without_blocks(graph: fx.Graph, blocks: Blocks) -> set[fx.Node]:
     return dead
 
 
-def _outer_adds(g: fx.Graph, adds: dict[fx.Node, tuple[fx.Node, fx.Node]], env: dict[fx.Node, Any],
-                renv: dict[fx.Node, fx.Node], outer: Names, early: dict[fx.Node, fx.Node]
-                ) -> dict[fx.Node, list[Any]]:
-    """For ``_copy_all``: after which block node to emit each of the model's ``adds`` (``added_after``), as a
-    callable that makes its copy (recorded in ``early``, so the model's own node is not copied again)."""
-    then: dict[fx.Node, list[Any]] = {}
-    for add, (contribution, end) in adds.items():
-        def emit(add: fx.Node = add, contribution: fx.Node = contribution) -> None:
-            new = g.create_node(add.op, add.target, (env[add.args[0]], renv[contribution]),
-                                fx.map_arg(add.kwargs, lambda a: env[a]), name=outer.take(add.name), type_expr=add.type)
-            new.meta = dict(add.meta)  # the whole-model trace's add has the line of the op backward it follows
-            own = traced_provenance(add)
-            source = renv[contribution].meta["fxpar_provenance"].source  # (a block node's copy: ``_copied_meta``)
-            new.meta["fxpar_provenance"] = Provenance(own.module, source, own.phase)
-            early[add] = new
-        then.setdefault(end, []).append(emit)
-    return then
-
-
 def _copy_all(g: fx.Graph, nodes: list[fx.Node], renv: dict[fx.Node, fx.Node], rep: Representative, path: str,
               source: str, names: Names, dropped_after: list[str], onto: dict[fx.Node, fx.Node] | None = None,
               then: dict[fx.Node, list[Any]] | None = None) -> None:
     """Copy ``nodes`` of ``rep`` into ``g``. ``onto``: the first add of a gradient sum -> the accumulator it starts
     from (``fxpar.grad_accumulation``): its first contribution is added onto it as soon as it is computed.
-    ``then``: block node -> what to emit right after its copy (the model's adds ``_outer_adds`` places)."""
+    ``then``: block node -> what to emit right after its copy (the model's adds ``emitted_after`` places)."""
     then = then or {}
     onto = onto or {}
     copied = set(nodes)
