@@ -207,6 +207,52 @@ def test_a_block_returning_a_tensor_it_wrote_in_place_is_traced_whole(monkeypatc
     assert "wrote in place" in reasons[True]
 
 
+# variant -> (blocks, distinct captures); None: whole-model capture. A hooked or frozen layer (whole or one weight)
+# is traced with the model; a layer in eval mode is a block of its own; "all" leaves one block, the eval layer
+APART = {"forward_hook": (3, 1), "pre_hook": (3, 1), "eval": (4, 2), "frozen": (3, 1), "frozen_weight": (3, 1),
+         "tied": (2, 1), "same_instance": None, "all": (1, 1)}
+
+
+@pytest.mark.parametrize("variant", list(APART))
+def test_a_layer_the_user_set_apart_is_not_shared_with_the_others(variant: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook on one layer, one layer in eval mode or frozen, a weight tied across layers, one block object listed
+    four times: the layer set apart gets its own capture (or none), and every rank prints what sharing off prints
+    (on ZeRO-3 and a 2-stage pipeline too, where gradients and boundaries differ)."""
+    from fxpar.testing.block_models import one_layer_apart
+
+    x = (torch.randn(8, 8, generator=torch.Generator().manual_seed(0)),)
+    build = functools.partial(one_layer_apart, variant)
+    for axes, plan, kw in (({"dp": 2}, fxpar.Plan(zero=3), {}),
+                           ({"pp": 2}, fxpar.Plan(stages=2, microbatches=2), {"loss_fn": _mean_square})):
+        pms = {}
+        for on in (True, False):
+            with sharing(on, monkeypatch):
+                pms[on] = _compile(build, axes, x, plan, **kw)
+        captures = pms[True]._compiled.stages[0].notes["captures"]
+        if APART[variant] is None:
+            assert captures.whole, captures
+        else:
+            assert (captures.whole, captures.blocks, captures.distinct) == (False, *APART[variant]), captures
+        for rank in range(2):
+            assert pms[True].program(rank) == pms[False].program(rank), (variant, axes, rank)
+            assert pms[True].ledger_table(rank) == pms[False].ledger_table(rank), (variant, axes, rank)
+
+
+def _mean_square(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+def test_layers_set_apart_train_like_the_single_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hooks on two layers, one in eval mode (the others draw dropout), one frozen, shared among the rest: dp=2
+    ZeRO-3 on gloo matches the single device (fp32, rtol 1e-5: only the dp mean's reduction order differs)."""
+    from fxpar.testing.block_models import one_layer_apart
+
+    monkeypatch.setenv("FXPAR_SHARE_MIN", "2")
+    x = (torch.randn(8, 8, generator=torch.Generator().manual_seed(0)),)
+    assert_equivalent(functools.partial(one_layer_apart, "all"), {"dp": 2}, fxpar.Plan(zero=3), x, steps=2)
+
+
 def test_sharing_escape_hatch_traces_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``FXPAR_SHARING=0`` captures the whole model and lowers every rank on its own."""
     with sharing(False, monkeypatch):

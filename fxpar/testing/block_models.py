@@ -344,3 +344,65 @@ class ConcatBySliceCopies(nn.Module):
         out[..., : a.shape[-1]].copy_(a)
         out[..., a.shape[-1]:].copy_(b)
         return self.o(out.squeeze(1))
+
+
+class _MlpBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.relu(self.up(self.norm(x)))))
+
+
+class OneLayerApart(nn.Module):
+    """Four blocks of the same code and shapes, of which the user set one apart without touching its code (the
+    usual fine-tuning and debugging edits): ``variant`` is "forward_hook" (layer 2's output doubled by a hook),
+    "pre_hook" (layer 1's input halved), "eval" (layer 1 in eval mode: no dropout), "frozen" (layer 0 needs no
+    gradients), "frozen_weight" (one weight of layer 2), "tied" (layer 1 reads layer 0's ``up`` weight),
+    "same_instance" (one block object listed four times, ALBERT-style) or "all" (the hooks, eval and frozen ones at
+    once)."""
+
+    VARIANTS = ("forward_hook", "pre_hook", "eval", "frozen", "frozen_weight", "tied", "same_instance", "all")
+
+    def __init__(self, variant: str, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.layers = nn.ModuleList(_MlpBlock(width) for _ in range(4))
+        self.head = nn.Linear(width, 4)
+        every = variant == "all"
+        if variant == "forward_hook" or every:
+            self.layers[2].register_forward_hook(_double_output)
+        if variant == "pre_hook" or every:
+            self.layers[1].register_forward_pre_hook(_halve_input)
+        if variant == "eval" or every:
+            self.layers[3 if every else 1].eval()
+        if variant == "frozen" or every:
+            self.layers[0].requires_grad_(False)
+        if variant == "frozen_weight":
+            self.layers[2].up.weight.requires_grad_(False)
+        if variant == "tied":
+            self.layers[1].up.weight = self.layers[0].up.weight
+        if variant == "same_instance":
+            self.layers = nn.ModuleList([self.layers[0]] * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _double_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output * 2.0
+
+
+def _halve_input(module: nn.Module, args: tuple) -> tuple:
+    return (args[0] * 0.5,)
+
+
+def one_layer_apart(variant: str) -> OneLayerApart:
+    torch.manual_seed(0)
+    return OneLayerApart(variant)
