@@ -220,11 +220,12 @@ def test_a_layer_the_user_set_apart_is_not_shared_with_the_others(variant: str,
     four times: the layer set apart gets its own capture (or none), and every rank prints what sharing off prints
     (on ZeRO-3 and a 2-stage pipeline too, where gradients and boundaries differ)."""
     from fxpar.testing.block_models import one_layer_apart
+    from fxpar.testing.error_models import mean_square
 
     x = (torch.randn(8, 8, generator=torch.Generator().manual_seed(0)),)
     build = functools.partial(one_layer_apart, variant)
     for axes, plan, kw in (({"dp": 2}, fxpar.Plan(zero=3), {}),
-                           ({"pp": 2}, fxpar.Plan(stages=2, microbatches=2), {"loss_fn": _mean_square})):
+                           ({"pp": 2}, fxpar.Plan(stages=2, microbatches=2), {"loss_fn": mean_square})):
         pms = {}
         for on in (True, False):
             with sharing(on, monkeypatch):
@@ -239,16 +240,11 @@ def test_a_layer_the_user_set_apart_is_not_shared_with_the_others(variant: str,
             assert pms[True].ledger_table(rank) == pms[False].ledger_table(rank), (variant, axes, rank)
 
 
-def _mean_square(out: torch.Tensor) -> torch.Tensor:
-    return out.pow(2).mean()
-
-
-def test_layers_set_apart_train_like_the_single_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hooks on two layers, one in eval mode (the others draw dropout), one frozen, shared among the rest: dp=2
-    ZeRO-3 on gloo matches the single device (fp32, rtol 1e-5: only the dp mean's reduction order differs)."""
+def test_layers_set_apart_train_like_the_single_device() -> None:
+    """Hooks on two layers, one frozen, one in eval mode (a block traced on its own; the others draw dropout):
+    dp=2 ZeRO-3 on gloo matches the single device (fp32, rtol 1e-5: only the dp mean's reduction order differs)."""
     from fxpar.testing.block_models import one_layer_apart
 
-    monkeypatch.setenv("FXPAR_SHARE_MIN", "2")
     x = (torch.randn(8, 8, generator=torch.Generator().manual_seed(0)),)
     assert_equivalent(functools.partial(one_layer_apart, "all"), {"dp": 2}, fxpar.Plan(zero=3), x, steps=2)
 

@@ -369,6 +369,8 @@ class OneLayerApart(nn.Module):
 
     def __init__(self, variant: str, width: int = 16) -> None:
         super().__init__()
+        if variant not in self.VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; one of {self.VARIANTS}")
         self.inp = nn.Linear(8, width)
         self.layers = nn.ModuleList(_MlpBlock(width) for _ in range(4))
         self.head = nn.Linear(width, 4)
