@@ -22,6 +22,10 @@ Each measured span ends with one ``gc.collect()``, timed inside it (``gc_s`` in 
 automatic cyclic collection paused (``fxpar/gc_pause.py``), so the collection it defers is charged to it here rather
 than to whatever the user runs next; the export side is charged its own collection, for symmetry.
 
+With two or more layer counts, a ``nodes70`` worker at the lowest and highest counts (untimed) counts every
+``torch.fx.Graph.create_node`` call of ``parallelize`` + ``program(rank=37)`` by the fxpar file that made it and
+times the call itself: an exact, machine-independent account of where each added layer's cost goes.
+
 Times are CPU seconds of the worker process (single-threaded tracing work: CPU = wall on an idle machine;
 both are in the JSON). Results go to ``bench/results/compile_time.json`` and the ``compile`` section of
 ``bench/README.md``.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -144,9 +149,69 @@ def fxpar_405b(layers: int) -> dict[str, Any]:
             "captures": str(pm._compiled.stages[0].notes.get("captures"))}
 
 
+def nodes_70b(layers: int) -> dict[str, Any]:
+    """The fx nodes ``parallelize`` + ``program(rank=37)`` create at 70B widths, by the fxpar file that made them
+    (a count, not a time: machine-independent). Not timed: every ``Graph.create_node`` looks up its caller."""
+    import fxpar
+    from fxpar.models.llama import hf_llama_plan
+
+    made: Counter[str] = Counter()
+    spent: Counter[str] = Counter()  # seconds inside ``create_node`` itself
+    create_node, roots = torch.fx.Graph.create_node, _package_roots()
+
+    def counted(graph: torch.fx.Graph, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        maker = _maker(sys._getframe(1), roots)
+        made[maker] += 1
+        t = time.perf_counter()
+        node = create_node(graph, *args, **kwargs)
+        spent[maker] += time.perf_counter() - t
+        return node
+
+    model, args = build(W70, layers, BATCH70)
+    torch.fx.Graph.create_node = counted
+    try:
+        pm = fxpar.parallelize(model, fxpar.Mesh(MESH70, fake=True), args, plan=hf_llama_plan())
+        pm.program(rank=37)
+    finally:
+        torch.fx.Graph.create_node = create_node
+    return {"nodes_by_file": dict(made), "nodes": sum(made.values()), "create_s_by_file": dict(spent),
+            "create_s": sum(spent.values())}
+
+
+_NODE_HELPERS = {"fxpar/ir.py"}  # ``copy_node``: its caller made the node
+
+
+def _package_roots() -> dict[str, str]:
+    """fxpar's four installed packages' folders, each with the repository folder it comes from."""
+    import fxpar.backends
+    import fxpar.passes
+    import fxpar.schedules
+
+    import fxpar
+
+    return {os.path.dirname(m.__file__) + os.sep: m.__name__.split(".")[-1]
+            for m in (fxpar, fxpar.passes, fxpar.backends, fxpar.schedules)}
+
+
+def _maker(frame: Any, roots: dict[str, str]) -> str:
+    """The repository file whose code created a node (the innermost one on the stack), marked where torch's tracer
+    (anything but ``torch.fx.Graph``'s own helpers: ``node_copy``, ``placeholder``, ...) came between."""
+    traced = False
+    while frame is not None:
+        path = frame.f_code.co_filename
+        root = next((r for r in roots if path.startswith(r)), None)
+        name = f"{roots[root]}/{path[len(root):]}" if root is not None else None
+        if name is not None and name not in _NODE_HELPERS:
+            return f"{name} (torch's tracer)" if traced else name
+        traced = traced or (name is None and not path.endswith(os.path.join("torch", "fx", "graph.py")))
+        frame = frame.f_back
+    return "torch"
+
+
 def worker_main(kind: str, layers: int) -> None:
     """Entry point of a worker subprocess: print one ``RESULT {json}`` line."""
     out = {"export70": lambda: bare_export(W70, layers, BATCH70), "fxpar70": lambda: fxpar_70b(layers),
+           "nodes70": lambda: nodes_70b(layers),
            "export405": lambda: bare_export(W405, layers, BATCH405), "fxpar405": lambda: fxpar_405b(layers)}[kind]()
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out))
@@ -196,6 +261,27 @@ def table_70b(r70: dict[int, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def table_nodes(counts: dict[int, dict[str, Any]], r70: dict[int, dict[str, Any]]) -> list[str]:
+    """fx nodes created per added layer, by the file that made them (exact), and the time ``create_node`` itself
+    took per added layer against fxpar's whole time per added layer (table above)."""
+    lo, hi = min(counts), max(counts)
+    a, b = counts[lo]["nodes_by_file"], counts[hi]["nodes_by_file"]
+    per_layer = {f: (b.get(f, 0) - a.get(f, 0)) / (hi - lo) for f in {*a, *b}}
+    rows = [[f"`{f}`", a.get(f, 0), b.get(f, 0), f"{n:.0f}"]
+            for f, n in sorted(per_layer.items(), key=lambda kv: (-kv[1], kv[0])) if n]
+    rows.append(["all", counts[lo]["nodes"], counts[hi]["nodes"],
+                 f"{(counts[hi]['nodes'] - counts[lo]['nodes']) / (hi - lo):.0f}"])
+    fxpar_s = {n: r70[n]["fxpar70"]["total"]["cpu"] for n in (lo, hi)}
+    per_layer_ms = {"create": (counts[hi]["create_s"] - counts[lo]["create_s"]) / (hi - lo) * 1e3,
+                    "fxpar": (fxpar_s[hi] - fxpar_s[lo]) / (hi - lo) * 1e3}
+    return ["fx nodes `parallelize` + `program(rank=37)` create at 70B widths (an exact count: the same on any "
+            "machine), by the fxpar file whose code made them:", "",
+            *markdown_table(["made by", f"{lo} layers", f"{hi} layers", "per added layer"], rows), "",
+            f"Inside `Graph.create_node` itself (a separate run that times each call): {per_layer_ms['create']:.1f} ms "
+            f"per added layer, of the {per_layer_ms['fxpar']:.1f} ms per added layer fxpar's total grows by above "
+            f"({per_layer_ms['create'] / per_layer_ms['fxpar']:.0%})."]
+
+
 def table_405b(e: dict[str, Any], f: dict[str, Any]) -> list[str]:
     new = max(p["cpu"] for p in f["programs"].values())
     rows = [[f"{e['export']['cpu']:.1f}", f"{f['parallelize']['cpu']:.1f}",
@@ -220,7 +306,8 @@ def main() -> None:
     parser.add_argument("--layers", default="8,80", help="comma-separated layer counts at 70B widths")
     parser.add_argument("--repeats", type=int, default=2, help="fresh-process runs per measurement (fastest kept)")
     parser.add_argument("--no-405b", action="store_true", help="skip the 405B case")
-    parser.add_argument("--worker", choices=["export70", "fxpar70", "export405", "fxpar405"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["export70", "fxpar70", "nodes70", "export405", "fxpar405"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
     args = parser.parse_args()
     if args.worker:
@@ -231,6 +318,9 @@ def main() -> None:
            for n in map(int, args.layers.split(","))}
     lines = [f"`{COMMAND}` (each cell: the fastest of {args.repeats} fresh processes)", "", *table_70b(r70)]
     data: dict[str, Any] = {"env": environment(), "r70": r70}
+    if len(r70) > 1:
+        data["nodes70"] = {n: run_worker("nodes70", n) for n in (min(r70), max(r70))}
+        lines += ["", *table_nodes(data["nodes70"], r70)]
     if not args.no_405b:
         e405, f405 = fastest("export405", 126, args.repeats), fastest("fxpar405", 126, args.repeats)
         lines += ["", *table_405b(e405, f405)]
