@@ -150,8 +150,9 @@ def fxpar_405b(layers: int) -> dict[str, Any]:
 
 
 def nodes_70b(layers: int) -> dict[str, Any]:
-    """The fx nodes ``parallelize`` + ``program(rank=37)`` create at 70B widths, by the fxpar file that made them
-    (a count, not a time: machine-independent). Not timed: every ``Graph.create_node`` looks up its caller."""
+    """The fx nodes ``parallelize`` + ``program(rank=37)`` create at 70B widths, by the fxpar file that made them (an
+    exact count), and the seconds spent inside ``Graph.create_node`` itself. The compile as a whole is not timed
+    here: every call also looks up its caller on the stack."""
     import fxpar
     from fxpar.models.llama import hf_llama_plan
 
