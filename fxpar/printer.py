@@ -33,11 +33,21 @@ _COMM = {c10d.all_reduce.default: "comm.all_reduce", c10d.all_gather_into_tensor
          c10d.reduce_scatter_tensor.default: "comm.reduce_scatter", c10d.wait_tensor.default: "comm.wait",
          c10d.all_to_all_single.default: "comm.all_to_all", rank_sizes: "comm.rank_sizes"}
 CODE_WIDTH = 64
+# id(fake value) -> (the value, its type text): lowering shares one fake value among the copies of a repeated layer's
+# op, so a deep program prints a few hundred distinct values over tens of thousands of lines
+_TENSOR_TYPES: dict[int, tuple[torch.Tensor, str]] = {}
+_TENSOR_TYPES_LIMIT = 100_000
 
 
 def type_str(val: Any) -> str:
     if isinstance(val, torch.Tensor):
-        return f"{_DTYPES.get(val.dtype, str(val.dtype))}[{','.join(map(str, val.shape))}]"
+        known = _TENSOR_TYPES.get(id(val))
+        if known is None or known[0] is not val:  # the entry holds its tensor: no other can take its id meanwhile
+            if len(_TENSOR_TYPES) > _TENSOR_TYPES_LIMIT:
+                _TENSOR_TYPES.clear()
+            known = _TENSOR_TYPES[id(val)] = (val, f"{_DTYPES.get(val.dtype, str(val.dtype))}"
+                                                   f"[{','.join(map(str, val.shape))}]")
+        return known[1]
     if isinstance(val, (tuple, list)) and val and all(type(v) is int for v in val):
         return f"int[{len(val)}]"  # a list of ints known at run time (all-to-all split sizes)
     if isinstance(val, (tuple, list)):
@@ -58,10 +68,20 @@ def placement_str(p: Any) -> str:
 def placements_str(placements: Any, axes: tuple[str, ...]) -> str:
     if placements is None:
         return ""
+    known = _PLACEMENTS_SEEN.get(id(placements))  # (hashing DTensor placements runs Python: look up the object first)
+    if known is not None and known[0] is placements and known[1] == axes:
+        return known[2]
     try:  # a program repeats a few placements over thousands of nodes
-        return _placements_text(placements, axes)
+        text = _placements_text(placements, axes)
     except TypeError:  # not hashable (a list)
         return _placements_text.__wrapped__(placements, axes)
+    if len(_PLACEMENTS_SEEN) > _TENSOR_TYPES_LIMIT:
+        _PLACEMENTS_SEEN.clear()
+    _PLACEMENTS_SEEN[id(placements)] = (placements, axes, text)
+    return text
+
+
+_PLACEMENTS_SEEN: dict[int, tuple[Any, tuple[str, ...], str]] = {}  # id -> (placements, axes, text), as type_str's
 
 
 @functools.lru_cache(maxsize=4096)
@@ -91,6 +111,16 @@ def _arg(a: Any, groups: dict[str, str]) -> str:
 
 
 def _target(t: Any) -> str:
+    text = _TARGETS.get(t)
+    if text is None:
+        text = _TARGETS[t] = _target_text(t)
+    return text
+
+
+_TARGETS: dict[Any, str] = {}
+
+
+def _target_text(t: Any) -> str:
     if t in _COMM:
         return _COMM[t]
     if isinstance(t, torch._ops.OpOverload):  # "aten::mm.default" -> aten.mm, "fxpar::bmm4" -> fxpar.bmm4
@@ -106,7 +136,9 @@ def _line(n: fx.Node, axes: tuple[str, ...], groups: dict[str, str], verbosity: 
         code = f"{n.name} = {n.args[0].name}[{n.args[1]}]"
     else:
         given = coord_slice_args(n, coord) if coord is not None and COORD_SLICE in n.meta else n.args
-        args = [_arg(a, groups) for a in given] + [f"{k}={_arg(v, groups)}" for k, v in n.kwargs.items()]
+        args = [a.name if type(a) is fx.Node else _arg(a, groups) for a in given]
+        if n.kwargs:
+            args += [f"{k}={_arg(v, groups)}" for k, v in n.kwargs.items()]
         code = f"{n.name} = {_target(n.target)}({', '.join(args)})"
     notes = [type_str(n.meta.get("val")), placements_str(n.meta.get("placements"), axes)]
     if n.meta.get("recomputed"):
@@ -150,6 +182,7 @@ _BLOCK_PATH = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 _NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*")  # a name, not an attribute (``aten.sum``)
 
 
+@functools.lru_cache(maxsize=65536)
 def _block_of(module: str | None) -> str | None:
     """A module path's first ``<name>.<index>`` (``model.layers.3``), the unit recompute and sharing use."""
     m = _BLOCK_PATH.match(module or "")
