@@ -133,7 +133,9 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
 
     @contextmanager
     def tracing() -> Iterator[None]:
-        with model_state_unchanged(model), swapped_in(model, fake_state), \
+        # the KV cache off for every trace of the model or its blocks alike: a block traced once after the export
+        # reads the config its calls read (``fxpar.block_reads``)
+        with model_state_unchanged(model), swapped_in(model, fake_state), without_kv_cache(model), \
                 experts_as_ops(model, mesh.axes.get("ep", 1)), computing_in(model, param_dtype):
             yield
 

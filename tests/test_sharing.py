@@ -249,6 +249,31 @@ def test_layers_set_apart_train_like_the_single_device() -> None:
     assert_equivalent(functools.partial(one_layer_apart, "all"), {"dp": 2}, fxpar.Plan(zero=3), x, steps=2)
 
 
+def test_a_model_with_its_kv_cache_on_shares_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's default ``use_cache=True``: compiling turns the cache off for every trace, the blocks' own included, so a
+    block traced once reads the config its calls read (it fell back to the whole-model capture: "reads 'config',
+    which changed after its call"). The programs equal the whole capture's; the config is on again after."""
+    from fxpar.testing.error_models import qwen2
+
+    built: list[torch.nn.Module] = []
+
+    def build() -> torch.nn.Module:
+        built.append(qwen2(layers=3))
+        return built[-1]
+
+    tokens = (torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0)),)
+    with sharing(True, monkeypatch):
+        on = _compile(build, {"dp": 2, "tp": 2}, tokens, fxpar.Plan(tp="hf"))
+    captures = on._compiled.stages[0].notes["captures"]
+    assert (captures.whole, captures.blocks, captures.distinct) == (False, 3, 1), captures
+    assert built[0].config.use_cache
+    with sharing(False, monkeypatch):
+        off = _compile(build, {"dp": 2, "tp": 2}, tokens, fxpar.Plan(tp="hf"))
+    for rank in (0, 3):
+        assert on.program(rank) == off.program(rank)
+        assert on.ledger_table(rank) == off.ledger_table(rank)
+
+
 def test_sharing_escape_hatch_traces_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``FXPAR_SHARING=0`` captures the whole model and lowers every rank on its own."""
     with sharing(False, monkeypatch):
