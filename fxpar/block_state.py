@@ -32,6 +32,7 @@ from torch._functorch._aot_autograd.descriptors import BufferAOTInput, GradAOTOu
 from fxpar.blocks import BLOCK_OPS, BlockTable, NotShared, Site
 from fxpar.creation_order import put_first
 from fxpar.ir import fake_empty
+from fxpar.state_paths import non_persistent_buffers, owner_module
 
 _BLOCK, _BLOCK_BACKWARD = BLOCK_OPS
 _STATE = "_fxpar_block_state"  # the base name of a restored placeholder until it is numbered
@@ -78,7 +79,27 @@ def strip_block_state(module: fx.GraphModule, sites: dict[int, Site]) -> Strippe
         if n.target in hidden:
             graph.erase_node(n)
     rank = {name: i for i, name in enumerate(attrs)}
-    return Stripped(fx.GraphModule(module, graph), rank, hidden, layout)
+    stripped = fx.GraphModule(module, graph)
+    _keep_unread_state(stripped, module, attrs, hidden)
+    return Stripped(stripped, rank, hidden, layout)
+
+
+def _keep_unread_state(stripped: fx.GraphModule, module: fx.GraphModule, attrs: dict[str, tuple[bool, torch.Tensor]],
+                       hidden: dict[str, tuple[bool, torch.Tensor]]) -> None:
+    """Give ``stripped`` the state of ``module`` its graph does not read: ``fx.GraphModule`` copies only the
+    attributes a ``get_attr`` names, and a pipeline stage holds unread state too (``fxpar.stage_state``), which the
+    trace takes as inputs (a whole-model capture of the stage would: a Qwen2 rotary table's ``original_inv_freq``)."""
+    held = {id(t) for t in (*stripped.parameters(), *stripped.buffers())} | {id(t) for _, t in hidden.values()}
+    non_persistent = non_persistent_buffers(module)
+    for fqn, (is_param, t) in attrs.items():
+        if id(t) in held:
+            continue
+        held.add(id(t))
+        owner, leaf = owner_module(stripped, fqn)
+        if is_param:
+            owner.register_parameter(leaf, t)
+        else:
+            owner.register_buffer(leaf, t, persistent=fqn not in non_persistent)
 
 
 def _copy(source: fx.Graph) -> fx.Graph:

@@ -607,6 +607,16 @@ class _GatedStackReadsABias(_GatedStack):
         return super().forward(x) + (bias.sum() if bias is not None else 0.0)
 
 
+class _GatedStackWithSpareState(_GatedStack):
+    """Holds a parameter and a buffer its forward never reads (as Qwen2's rotary table holds ``original_inv_freq``):
+    a pipeline stage holds them (``fxpar.stage_state``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = torch.nn.Parameter(torch.ones(5))
+        self.register_buffer("unread", torch.zeros(3), persistent=False)
+
+
 def _square_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (out - x[:, :3]).pow(2).mean()
 
@@ -651,4 +661,21 @@ def test_block_state_used_outside_one_call_stays_in_the_trace(build: type, monke
     for on in (True, False):
         with sharing(on, monkeypatch):
             texts[on] = _compile(build, {"dp": 2}, inputs, loss_fn=_square_loss).program(0)
+    assert texts[True] == texts[False]
+
+
+def test_state_a_stage_holds_but_never_reads_stays_on_it_with_blocks_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taking the blocks' state off a stage's graph copied only the attributes its graph reads: the stage's unread
+    parameter and buffer were dropped, so its program lacked their inputs and ``pm.state_dict()`` the parameter
+    (found on Qwen2 at its defaults, whose rotary table holds an unread ``original_inv_freq``)."""
+    inputs = (torch.randn(4, 6, generator=torch.Generator().manual_seed(0)),)
+    texts, states = {}, {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(_GatedStackWithSpareState, {"pp": 2}, inputs, fxpar.Plan(stages=2, microbatches=2),
+                          loss_fn=_square_loss, example_targets=inputs[0])
+            assert pm._compiled.stages[0].notes["captures"].whole is not on
+            texts[on] = [pm.program(r) + pm.ledger_table(r) + str(pm.memory(r)) for r in range(2)]
+            states[on] = {fqn for p in pm._compiled.stages for fqn, _ in (*p.signature.params, *p.signature.buffers)}
+    assert {"spare", "unread"} <= states[True] == states[False]
     assert texts[True] == texts[False]
