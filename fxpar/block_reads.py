@@ -12,11 +12,12 @@ they would run the same way.
   export (``fxpar.stitch``), not between two calls (a variable rebound between two calls of one block is the
   one change this misses).
 
-A value is keyed by value when it is plain data; a container, an object, a module the block holds without
-registering it, or a class is keyed by identity and by its contents, three levels down (a config's nested field,
-a class attribute, a global dict's nested entry: a field changed in place between two calls tells them apart), up
-to 256 entries in all; beyond that, and for a function, a Python module, a tensor, a logger or an enum, by identity
-alone.
+A value is keyed by value when it is plain data. A dict, list or tuple, and a module the block holds without
+registering it that has no parameters, buffers, children or hooks, are keyed by their type and contents; any other
+object, module or class by identity and by its contents. Contents are read three levels down (a config's nested
+field, a class attribute, a global dict's nested entry: a field changed in place between two calls tells them
+apart), up to 256 entries in all; beyond that, and for a function, a Python module, a tensor, a logger or an enum,
+a value is keyed by identity alone.
 """
 
 from __future__ import annotations
@@ -93,8 +94,22 @@ def _key(v: Any, depth: int, budget: list[int]) -> Any:
     contents = _contents(v)
     if contents is None or len(contents) > max(budget[0], 0):  # too large to read: by identity
         return ("id", id(v))
-    return ("id", id(v), tuple((k, plain_key(x) if type(x) in _PLAIN_TYPES else _key(x, depth - 1, budget))
-                               for k, x in contents))
+    read = tuple((k, plain_key(x) if type(x) in _PLAIN_TYPES else _key(x, depth - 1, budget)) for k, x in contents)
+    if _whole_in(v, contents):
+        return ("contents", id(type(v)), read)
+    return ("id", id(v), read)
+
+
+def _whole_in(v: Any, contents: list[tuple[Any, Any]]) -> bool:
+    """Whether ``contents`` is all a value holds, so that its class and contents decide what code reading it does:
+    a dict, list or tuple whose keys were all read (torch.export rebuilds these when it puts a module's
+    attributes back after the trace: the same contents, a new object), or a module without parameters, buffers,
+    children or hooks (a per-layer helper such as transformers' hub-kernel wrappers, one per layer)."""
+    if isinstance(v, (dict, list, tuple)):
+        return len(contents) == len(v)
+    if isinstance(v, torch.nn.Module):
+        return not any(x for k, x in v.__dict__.items() if k in MODULE_INTERNALS and isinstance(x, (dict, set)))
+    return False
 
 
 def _cell_key(cell: Any, budget: list[int]) -> Any:

@@ -139,6 +139,28 @@ def test_a_block_reading_state_the_model_changes_between_layers_is_not_shared_wr
             if "aten.mul.Tensor(tanh" in line] == list(wanted)
 
 
+def test_layers_holding_equal_helper_dicts_share_and_a_differing_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer holds its own unregistered ``{name: parameterless module}`` dict (transformers 5.25 gives every
+    attention layer one, ``_kernel_funcs``): keyed by identity, every HF model fell back to the whole-model capture
+    (torch.export rebuilds the dict after the trace: "reads '_kernel_funcs', which changed after its call"), and
+    per-layer helpers would have told equal layers apart. Equal helpers share; the last layer's, scaling by 2.0,
+    does not."""
+    from fxpar.testing.block_models import per_layer_helper_dicts
+
+    x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)),)
+    programs = {}
+    for on in (True, False):
+        with sharing(on, monkeypatch):
+            pm = _compile(per_layer_helper_dicts, {"dp": 2}, x)
+            programs[on], captures = pm.program(0), pm._compiled.stages[0].notes["captures"]
+            assert captures.whole is not on, captures
+    on_captures = _compile(per_layer_helper_dicts, {"dp": 2}, x)._compiled.stages[0].notes["captures"]
+    assert (on_captures.blocks, on_captures.distinct) == (4, 2)
+    assert programs[True] == programs[False]
+    assert [line.split(", ")[-1].split(")")[0] for line in programs[True].splitlines()
+            if "aten.mul.Tensor(tanh" in line] == ["1.0", "1.0", "1.0", "2.0"]
+
+
 @pytest.mark.parametrize("per_layer", [False, True], ids=["once", "per layer"])
 def test_a_field_the_model_sets_on_a_shared_child_reaches_every_layer(per_layer: bool,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
