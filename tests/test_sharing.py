@@ -145,7 +145,7 @@ def test_layers_holding_equal_helper_dicts_share_and_a_differing_one_does_not(mo
     (torch.export rebuilds the dict after the trace: "reads '_kernel_funcs', which changed after its call"), and
     per-layer helpers would have told equal layers apart. Equal helpers share; the last layer's, scaling by 2.0,
     does not."""
-    from fxpar.testing.block_models import per_layer_helper_dicts
+    from fxpar.testing.helper_dicts import per_layer_helper_dicts
 
     x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)),)
     programs = {}
