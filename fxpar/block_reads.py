@@ -12,7 +12,7 @@ they would run the same way.
   export (``fxpar.stitch``), not between two calls (a variable rebound between two calls of one block is the
   one change this misses).
 
-A value is keyed by value when it is plain data. A dict, list or tuple, and a module the block holds without
+A value is keyed by value when it is plain data. A plain dict, list or tuple, and a module the block holds without
 registering it that has no parameters, buffers, children or hooks, are keyed by their type and contents; any other
 object, module or class by identity and by its contents. Contents are read three levels down (a config's nested
 field, a class attribute, a global dict's nested entry: a field changed in place between two calls tells them
@@ -102,10 +102,11 @@ def _key(v: Any, depth: int, budget: list[int]) -> Any:
 
 def _whole_in(v: Any, contents: list[tuple[Any, Any]]) -> bool:
     """Whether ``contents`` is all a value holds, so that its class and contents decide what code reading it does:
-    a dict, list or tuple whose keys were all read (torch.export rebuilds these when it puts a module's
-    attributes back after the trace: the same contents, a new object), or a module without parameters, buffers,
-    children or hooks (a per-layer helper such as transformers' hub-kernel wrappers, one per layer)."""
-    if isinstance(v, (dict, list, tuple)):
+    a plain dict, list or tuple whose keys were all read (torch.export rebuilds these when it puts a module's
+    attributes back after the trace: the same contents, a new object; a subclass may hold more, such as a
+    ``defaultdict``'s factory, and stays keyed by identity), or a module without parameters, buffers, children or
+    hooks (a per-layer helper such as transformers' hub-kernel wrappers, one per layer)."""
+    if type(v) in (dict, list, tuple):
         return len(contents) == len(v)
     if isinstance(v, torch.nn.Module):
         return not any(x for k, x in v.__dict__.items() if k in MODULE_INTERNALS and isinstance(x, (dict, set)))

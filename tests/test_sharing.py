@@ -161,6 +161,30 @@ def test_layers_holding_equal_helper_dicts_share_and_a_differing_one_does_not(mo
             if "aten.mul.Tensor(tanh" in line] == ["1.0", "1.0", "1.0", "2.0"]
 
 
+def test_layers_holding_helper_dicts_train_like_the_single_device() -> None:
+    """The shared program of those layers trains like the single device on gloo (fp32, rtol 1e-5)."""
+    from fxpar.testing.helper_dicts import per_layer_helper_dicts
+
+    x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)),)
+    assert_equivalent(per_layer_helper_dicts, {"dp": 2}, None, x, steps=2)
+
+
+def test_a_rebuilt_container_keys_as_its_original_and_a_subclass_with_hidden_state_does_not() -> None:
+    """A plain dict, list or tuple (and a helper module with no state of its own) keys by type and contents: the
+    copy torch.export puts back keys as the original did. A ``defaultdict`` holds its factory outside its items, so
+    two with equal items stay apart (by identity)."""
+    import collections
+    import copy
+
+    from fxpar.block_reads import value_key
+    from fxpar.testing.helper_dicts import _Activation
+
+    for original in ({"act": _Activation(1.0), "n": [1, 2.0]}, [1, (2, "a")], (1.0, {"k": True})):
+        assert value_key(original) == value_key(copy.copy(original))
+    assert value_key({"act": _Activation(1.0)}) != value_key({"act": _Activation(2.0)})
+    assert value_key(collections.defaultdict(int, a=1)) != value_key(collections.defaultdict(list, a=1))
+
+
 @pytest.mark.parametrize("per_layer", [False, True], ids=["once", "per layer"])
 def test_a_field_the_model_sets_on_a_shared_child_reaches_every_layer(per_layer: bool,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
