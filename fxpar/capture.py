@@ -219,7 +219,8 @@ def capture_joint(module: torch.nn.Module, exported: Exported, model: torch.nn.M
         if stripped is not None:
             restore_block_state(gm, stripped, exported.fake_mode)
         if exported.blocks is not None:
-            gm = stitch(gm, exported.blocks, lambda n: user_source(n.meta.get("stack_trace"), before=_BLOCKS_FILE))
+            gm = stitch(gm, exported.blocks, lambda n: user_source(n.meta.get("stack_trace"), before=_BLOCKS_FILE),
+                        stage=module is not exported.gm)
         _split_addmm(gm)
         means_as_sums(gm)
         bias_after_token_view(gm)

@@ -292,7 +292,7 @@ def _capture_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages:
     start = time.perf_counter()
     keep = () if isinstance(stages, int) else tuple(stages)  # a stage starting inside a block keeps it whole
     exported = export_fake(model, mesh, tuple(flat), share=share, keep=keep, param_dtype=ctx.plan.param_dtype)
-    split = split_stages(exported.gm, model, stages, cost=_cost_model(exported))
+    split = split_stages(exported.gm, model, stages, cost=_cost_model(exported), op_of=_op_of(exported))
     ctx.timings["split_stages"] = time.perf_counter() - start
     programs: list[Program] = []
     twins = CaptureTwins(exported, model, len(split.stages))
@@ -315,6 +315,18 @@ def _capture_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages:
     captures = dataclasses.replace(exported.captures, stages_copied=len(twins.found))
     programs = [p.replace(notes={**p.notes, "captures": captures}) for p in programs]
     return programs, split, exported.out_spec
+
+
+def _op_of(exported: Any) -> Callable[[fx.Node], Any]:
+    """The op that computes a node's value: a repeated block's output is computed by an op inside the block."""
+    blocks = exported.blocks
+
+    def op_of(n: fx.Node) -> Any:
+        if blocks is not None and n.target is operator.getitem and getattr(n.args[0], "target", None) is BLOCK_OPS[0]:
+            return blocks.output_op(n.args[0].args[0], n.args[1])
+        return n.target
+
+    return op_of
 
 
 def _cost_model(exported: Any) -> Callable[[fx.Node], float]:

@@ -322,9 +322,11 @@ def resolve_starts(model: torch.nn.Module, stages: list[str] | tuple[str, ...]) 
 
 
 def split_stages(gm: fx.GraphModule, model: torch.nn.Module, stages: int | list[str] | tuple[str, ...],
-                 cost: Callable[[fx.Node], float] = node_cost) -> Split:
+                 cost: Callable[[fx.Node], float] = node_cost,
+                 op_of: Callable[[fx.Node], Any] = lambda n: n.target) -> Split:
     """Split the exported forward graph into stages (an int: cost-balanced; a list: module paths starting stages).
-    ``cost``: a node's forward cost (``node_cost``; a repeated block's call costs its nodes)."""
+    ``cost``: a node's forward cost (``node_cost``; a repeated block's call costs its nodes). ``op_of``: the op that
+    computes a node's value (a repeated block's output: the block's own op, which a whole-model export would show)."""
     if isinstance(stages, int):
         starts, costs = choose_starts(gm, model, stages, cost) if stages > 1 else ([], [])
     else:
@@ -333,7 +335,7 @@ def split_stages(gm: fx.GraphModule, model: torch.nn.Module, stages: int | list[
     n = len(starts) + 1
     _check_nonempty(stage, starts, n)
     needed = _crossing(gm.graph, stage, n)
-    graphs = [_build_stage(gm, stage, s, needed, n) for s in range(n)]
+    graphs = [_build_stage(gm, stage, s, needed, n, op_of) for s in range(n)]
     hold_unread_state(gm, graphs)
     for s, g in enumerate(graphs):
         g.first_module = starts[s - 1] if s else "the model inputs"
@@ -374,7 +376,7 @@ def _crossing(graph: fx.Graph, stage: dict[fx.Node, int], n: int) -> list[list[f
 
 
 def _build_stage(gm: fx.GraphModule, stage: dict[fx.Node, int], s: int, needed: list[list[fx.Node]],
-                 n: int) -> StageGraph:
+                 n: int, op_of: Callable[[fx.Node], Any]) -> StageGraph:
     received = needed[s - 1] if s else []
     out_node = gm.graph.output_node()
     roots = [x for x in gm.graph.nodes if stage.get(x) == s and not _is_guard(x)]
@@ -394,7 +396,7 @@ def _build_stage(gm: fx.GraphModule, stage: dict[fx.Node, int], s: int, needed: 
         outs = [env[a] if isinstance(a, fx.Node) else a for a in out_node.args[0]]
         sent: list[str] = []
     else:
-        outs = [_fresh(g, env[a], a in received) for a in needed[s]]
+        outs = [_fresh(g, env[a], a in received or op_of(a) in VIEW_OPS) for a in needed[s]]
         sent = [a.name for a in needed[s]]
     g.output(tuple(outs))
     g.eliminate_dead_code()
@@ -438,9 +440,9 @@ def _placeholder(g: fx.Graph, a: fx.Node) -> fx.Node:
     return ph
 
 
-def _fresh(g: fx.Graph, v: fx.Node, passthrough: bool) -> fx.Node:
-    """A boundary output that is not an input or a view (AOTAutograd would treat those as aliases)."""
-    if not passthrough and v.target not in VIEW_OPS:
+def _fresh(g: fx.Graph, v: fx.Node, alias: bool) -> fx.Node:
+    """A boundary output that is not an input or a view (``alias``: AOTAutograd would treat it as one)."""
+    if not alias:
         return v
     out = g.call_function(aten.clone.default, (v,))
     out.meta.update(v.meta)

@@ -144,6 +144,12 @@ class Blocks:
         return Captures(blocks=len(self.used), distinct=len(self.reps), whole=False,
                         chained=sum(len(chain.sites) for chain in self.table.chains.values()))
 
+    def output_op(self, site_id: int, index: int) -> Any:
+        """The op that computes tensor output ``index`` of a call (a run's one op: its last call's)."""
+        last = chain_members(self.table, site_id)[-1]
+        out = self.of(last).forward_graph.output_node().args[0][self.used[last].index(index)]
+        return getattr(out, "target", None)
+
     def cost(self, site_id: int, data: tuple[bool, ...], node_cost: Any) -> float:
         """The forward cost of a call (``fxpar.stages.node_cost`` summed over the block's nodes that depend on the
         model's inputs, as in a whole-model export): ``data[i]`` says if the call's input ``i`` does."""
@@ -169,14 +175,11 @@ def name_as_whole(gm: fx.GraphModule, blocks: Blocks) -> None:
         if n.op == "call_function" and n.target is _BLOCK:
             *before, last = chain_members(blocks.table, n.args[0])
             for site_id in before:  # the calls a run's one op stands for, before its last, take their names too
-                for r in blocks.of(site_id).forward_graph.nodes:
-                    if r.op == "call_function":
-                        ns.create_name(base_name(r.name), None)
+                _names_of_call(ns, blocks.of(site_id).forward_graph)
                 ns.create_name("_fxpar_block", None)
-            rep = blocks.of(last)
-            made = {r: ns.create_name(base_name(r.name), None) for r in rep.forward_graph.nodes
-                    if r.op == "call_function"}
-            outs = rep.forward_graph.output_node().args[0]
+            forward = blocks.of(last).forward_graph
+            made = _names_of_call(ns, forward)
+            outs = forward.output_node().args[0]
             used = blocks.used[last]
             for u in n.users:
                 u.name = made[outs[used.index(u.args[1])]] if u.users else ns.create_name("_fxpar_unused", None)
@@ -186,6 +189,13 @@ def name_as_whole(gm: fx.GraphModule, blocks: Blocks) -> None:
             n.name = ns.create_name(n.name if keep else base_name(n.name), None)
     gm.graph._graph_namespace = ns
     gm.recompile()
+
+
+def _names_of_call(ns: fx.graph._Namespace, forward: fx.Graph) -> dict[fx.Node, str]:
+    """Name a call's nodes in ``ns`` as a whole-model export would: its block's exported ``forward`` in order, after
+    the names that export skipped (a node it made, then dropped: ``view_1`` after a dropped ``view``)."""
+    names = Names(ns)
+    return {r: ns.create_name(names.take(r.name), None) for r in forward.nodes if r.op == "call_function"}
 
 
 def _trace(site: Site, used: tuple[int, ...], fake_mode: Any) -> Representative:
@@ -280,9 +290,11 @@ def _relative_provenance(n: fx.Node) -> Provenance:
     return Provenance(module, user_source(n.meta.get("stack_trace"), skip=(_THIS_FILE,)), phase)
 
 
-def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphModule:
+def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any, stage: bool = False) -> fx.GraphModule:
     """``gm``'s joint graph with every ``fxpar::block``/``fxpar::block_backward`` node replaced by the block's own
-    nodes. ``outer_source(node)``: the user's line of a call, for block nodes that have none inside the block."""
+    nodes. ``outer_source(node)``: the user's line of a call, for block nodes that have none inside the block.
+    ``stage``: ``gm`` is a pipeline stage's, whose whole-model counterpart had its dead code removed before its trace
+    (``fxpar.stages``): what only a block's unread inputs need takes no name there, and may not cross a boundary."""
     g = fx.Graph()
     g._codegen = gm.graph._codegen
     env: dict[fx.Node, Any] = {}
@@ -300,11 +312,16 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
         elif n in merged:  # its sum is the block's, started from this add's accumulator (fxpar.grad_accumulation)
             env[n] = env[n.args[1]]
             outer.skip(n.name)
-        elif n in dead:  # read only by a block that ignores it: the whole-model trace made it, then dropped it
-            g._graph_namespace.create_name(outer.take(n.name), None)
         elif n.op == "placeholder":
+            if stage and n in dead and type(n.meta.get("desc")).__name__ == "PlainAOTInput":
+                raise NotShared(f"pipeline stage input {n.name} is read only by blocks that ignore it (the whole "
+                                "stage would not take it)")  # (unread state stays on a stage: fxpar.stage_state)
             env[n] = g.placeholder(n.name, type_expr=n.type)
             env[n].meta = dict(n.meta)
+        elif n in dead and stage:  # read only by a block that ignores it: the whole stage has no such node
+            outer.skip(n.name)
+        elif n in dead:  # read only by a block that ignores it: the whole-model trace made it, then dropped it
+            g._graph_namespace.create_name(outer.take(n.name), None)
         elif n.op == "output":
             out = g.output(fx.map_arg(n.args[0], lambda a: env[a]), type_expr=n.type)
             out.meta = dict(n.meta)
@@ -312,7 +329,8 @@ def stitch(gm: fx.GraphModule, blocks: Blocks, outer_source: Any) -> fx.GraphMod
             site_id, tensors = n.args
             rep, renv = blocks.of(site_id), {}
             for ph, i in rep.inputs.items():
-                renv[ph] = env[tensors[i]]
+                if ph.users:  # an input the block never reads may have been dropped as dead (``_dead_without_blocks``)
+                    renv[ph] = env[tensors[i]]
             site = blocks.table.sites[site_id]
             calls[site_id] = (renv, site, outer_source(n), Names(g))
             _copy_all(g, rep.forward, renv, rep, site.path, *calls[site_id][2:], rep.dead_after[0])
@@ -359,7 +377,8 @@ _STACK_KEYS = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace")
 
 def _dead_without_blocks(graph: fx.Graph, blocks: Blocks) -> set[fx.Node]:
     """Nodes of the model's own graph that only feed block inputs the block's graph never reads (and nodes that
-    only feed those): dead code once the block's nodes replace its call. Nodes without users (asserts) stay."""
+    only feed those): dead code once the block's nodes replace its call (inputs too: they stay, as in a whole-model
+    trace, but a pipeline stage's would not have them). Nodes without users (asserts) stay."""
     dead: set[fx.Node] = set()
 
     def unread(user: fx.Node, n: fx.Node) -> bool:
@@ -376,7 +395,7 @@ def _dead_without_blocks(graph: fx.Graph, blocks: Blocks) -> set[fx.Node]:
         return False
 
     for n in reversed(graph.nodes):
-        if n.op in ("call_function", "get_attr") and n.target not in BLOCK_OPS and n.users and \
+        if n.op in ("call_function", "get_attr", "placeholder") and n.target not in BLOCK_OPS and n.users and \
                 all(unread(u, n) for u in n.users):
             dead.add(n)
     return dead

@@ -21,8 +21,8 @@ class Names:
     order, as one trace of everything gives them: the tracer numbers ``mm``, ``mm_1``, ... and a name the source
     skips (a node it made, then dropped as dead code, as the whole-model trace does too) is taken here too."""
 
-    def __init__(self, g: fx.Graph) -> None:
-        self.ns = g._graph_namespace
+    def __init__(self, g: fx.Graph | fx.graph._Namespace) -> None:
+        self.ns = g._graph_namespace if isinstance(g, fx.Graph) else g
         self.last: dict[str, int] = {}
 
     def take(self, name: str) -> str:

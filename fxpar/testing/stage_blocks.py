@@ -1,0 +1,58 @@
+"""Stacks whose layers take an argument they never read and return a view, as OPT's decoder layers do (they take
+``position_ids`` and end in ``.view``): for blocks shared across pipeline stages.
+
+Module-level so that spawned gloo ranks can unpickle them; they import nothing from fxpar (they stand for user code).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _IgnoringLayer(nn.Module):
+    """Takes ``positions`` and ignores it; returns a view of its sum (what a stage boundary sends)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat = x.view(b * t, d)
+        return (flat + torch.relu(self.fc(flat))).view(b, t, d)
+
+
+class PositionsIgnored(nn.Module):
+    """Four ``_IgnoringLayer``s, each passed positions the stack computes from the input's shape alone (a pipeline
+    stage computes them itself: nothing crosses a boundary for them)."""
+
+    def __init__(self, width: int = 8, n_layers: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)  # so that every layer's input needs a gradient (one capture for all)
+        self.layers = nn.ModuleList(_IgnoringLayer(width) for _ in range(n_layers))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.ones(x.shape[:2], device=x.device).cumsum(1).long() - 1
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.head(x)
+
+
+class InputMaskIgnored(PositionsIgnored):
+    """As ``PositionsIgnored``, but what the layers ignore is computed from the input's values: a whole-model
+    pipeline stage would not receive it, a stage of shared blocks would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x.sum(-1) > 0).long()
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.head(x)
+
+
+def stage_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A loss the last stage computes from the output and the input it was given as the target."""
+    return (out - x[..., :3]).pow(2).mean()
