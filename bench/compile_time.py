@@ -120,7 +120,7 @@ def fxpar_70b(layers: int) -> dict[str, Any]:
     total = {k: parallelize[k] + program[k] for k in parallelize}
     return {"parallelize": parallelize, "program_37": program, "total": total, "gc_s": gc_s,
             "timings_wall_s": pm.timings, "program_lines": text.count("\n"),
-            "captures": str(pm._compiled.stages[0].notes.get("captures")), "proof": str(pm.proof)}
+            "captures": str(pm.captures), "proof": str(pm.proof)}
 
 
 def fxpar_405b(layers: int) -> dict[str, Any]:
@@ -146,7 +146,7 @@ def fxpar_405b(layers: int) -> dict[str, Any]:
     counts = Counter(f"{r.op}@{r.axis}" + (" per microbatch" if r.mb is not None else " per step") for r in ledger)
     return {"parallelize": parallelize, "gc_s": gc_s, "programs": programs, "holds": holds, "ledger_rank": NEW_RANKS[0],
             "ledger_counts": dict(counts), "proof": str(pm.proof), "timings_wall_s": pm.timings,
-            "captures": str(pm._compiled.stages[0].notes.get("captures"))}
+            "captures": str(pm.captures)}
 
 
 def nodes_70b(layers: int) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def compile_texts(family: str, mesh: str, device: str) -> dict[str, Any]:
              for r in (0, n - 1)}
     attention = sorted({w.rstrip(",)") for text in texts.values() for w in text.replace("(", " ").split()
                         if w.startswith("aten._scaled_dot_product")})
-    captures = pm._compiled.stages[0].notes["captures"]
+    captures = pm.captures
     return {"texts": texts, "captures": repr(captures), "attention_ops": attention,
             "compile_s": time.perf_counter() - t}
 
@@ -143,7 +143,7 @@ def train(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, steps: int
     captures = None
     if fx:
         model = fxpar.parallelize(model, fxpar.Mesh({"dp": 1}, device=device.type), inputs, plan=plan)
-        captures = repr(model._compiled.stages[0].notes["captures"])
+        captures = repr(model.captures)
     else:
         model = model.to(device)
     inputs = {k: v.to(device) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(

@@ -38,6 +38,7 @@ from fxpar.rank_step import StepEvent, rank_step, step_ledger
 from fxpar.schedules import Schedule
 from fxpar.stages import stage_costs
 from fxpar.state_paths import non_persistent_buffers
+from fxpar.stitch import Captures
 from fxpar.unreached import decide_unreached, watch_unreached
 
 
@@ -142,6 +143,13 @@ class ParallelModule(ModeSwitching, FullStateLoading, RankParameters):
     def schedule(self) -> Schedule:
         """The pipeline schedule: ``print(pm.schedule)`` draws steps x pipeline ranks."""
         return self._compiled.schedule
+
+    @property
+    def captures(self) -> Captures:
+        """How the model was captured: ``blocks`` calls of repeated blocks traced as ``distinct`` captures, or the
+        whole model traced (``whole``, with the ``reason`` when sharing was tried); ``stages_copied``: pipeline
+        stages captured as an earlier identical stage with paths moved; ``chained``: block calls exported as runs."""
+        return self._compiled.stages[0].notes.get("captures", Captures())
 
     @property
     def _prog(self) -> Program:  # the single stage's program (tools written before pipelines use it)

@@ -34,7 +34,7 @@ def _compile(build: Callable[[], torch.nn.Module], monkeypatch: pytest.MonkeyPat
 def _assert_as_whole(pm: fxpar.ParallelModule, build: Callable[[], torch.nn.Module],
                      monkeypatch: pytest.MonkeyPatch) -> None:
     whole = _compile(build, monkeypatch, sharing=False, axes=dict(pm._compiled.mesh.axes))
-    assert whole._compiled.stages[0].notes["captures"].whole
+    assert whole.captures.whole
     for rank in (0, pm._compiled.mesh.size - 1):
         assert pm.program(rank, verbosity=2) == whole.program(rank, verbosity=2)
         assert pm.ledger(rank) == whole.ledger(rank)
@@ -51,7 +51,7 @@ def test_runs_are_exported_as_one_call_only_where_the_model_proves_them(build: C
                                                                       chained: int,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     pm = _compile(build, monkeypatch, axes={"dp": 2, "tp": 2})
-    captures = pm._compiled.stages[0].notes["captures"]
+    captures = pm.captures
     assert (captures.whole, captures.blocks, captures.distinct, captures.chained) == (False, 6, 1, chained), captures
     _assert_as_whole(pm, build, monkeypatch)
 
@@ -63,7 +63,7 @@ def test_a_shared_input_needing_a_gradient_makes_no_run(monkeypatch: pytest.Monk
     added after the layer's whole backward: the same numbers, another program), so the program is the whole
     capture's."""
     pm = _compile(loop_models.trained_context, monkeypatch, axes={"dp": 2, "tp": 2})
-    assert pm._compiled.stages[0].notes["captures"].chained == 0
+    assert pm.captures.chained == 0
     _assert_as_whole(pm, loop_models.trained_context, monkeypatch)
 
 
@@ -93,7 +93,7 @@ def test_a_run_the_export_does_not_call_as_planned_falls_back_to_a_call_per_laye
 
     monkeypatch.setattr(fxpar.capture, "plan_chains", wrong)
     pm = _compile(loop_models.scaled_between, monkeypatch)
-    captures = pm._compiled.stages[0].notes["captures"]
+    captures = pm.captures
     assert (captures.whole, captures.blocks, captures.chained) == (False, 6, 0), captures
     _assert_as_whole(pm, loop_models.scaled_between, monkeypatch)
 
@@ -103,7 +103,7 @@ def test_runs_escape_hatch(monkeypatch: pytest.MonkeyPatch) -> None:
     on = _compile(loop_models.plain_loop, monkeypatch)
     monkeypatch.setenv("FXPAR_CHAINS", "0")
     off = _compile(loop_models.plain_loop, monkeypatch)
-    chained = [pm._compiled.stages[0].notes["captures"].chained for pm in (on, off)]
+    chained = [pm.captures.chained for pm in (on, off)]
     assert chained == [6, 0]
     assert on.program(1, verbosity=2) == off.program(1, verbosity=2)
 

@@ -71,11 +71,11 @@ def test_differing_layers_capture_what_they_need(name: str, build: Callable[[], 
     inputs = hf_families.inputs("llama") if name != "llama_wide_layers" else TOKENS
     with sharing(True, monkeypatch):
         on = _compile(build, axes, inputs, plan)
-    captures = on._compiled.stages[0].notes["captures"]
+    captures = on.captures
     assert (captures.whole, captures.blocks, captures.distinct) == (False, blocks, distinct), captures
     with sharing(False, monkeypatch):
         off = _compile(build, axes, inputs, plan)
-    assert off._compiled.stages[0].notes["captures"].whole
+    assert off.captures.whole
     for rank in (0, on._compiled.mesh.size - 1):
         assert on.program(rank) == off.program(rank)
         assert on.ledger_table(rank) == off.ledger_table(rank)
@@ -108,8 +108,8 @@ def test_layers_differing_in_plain_attributes_are_captured_apart(monkeypatch: py
         with sharing(on, monkeypatch):
             pm = _compile(per_layer_attributes, {"dp": 2}, x)
             programs[on] = pm.program(0)
-    assert pm._compiled.stages[0].notes["captures"].whole
-    captures = _compile(per_layer_attributes, {"dp": 2}, x)._compiled.stages[0].notes["captures"]
+    assert pm.captures.whole
+    captures = _compile(per_layer_attributes, {"dp": 2}, x).captures
     assert (captures.blocks, captures.distinct) == (6, 5)  # layers 0 and 1 share
     assert programs[True] == programs[False]
     for value in ("0.5", "3.0", "2.0", "-1.0"):
@@ -152,9 +152,9 @@ def test_layers_holding_equal_helper_dicts_share_and_a_differing_one_does_not(mo
     for on in (True, False):
         with sharing(on, monkeypatch):
             pm = _compile(per_layer_helper_dicts, {"dp": 2}, x)
-            programs[on], captures = pm.program(0), pm._compiled.stages[0].notes["captures"]
+            programs[on], captures = pm.program(0), pm.captures
             assert captures.whole is not on, captures
-    on_captures = _compile(per_layer_helper_dicts, {"dp": 2}, x)._compiled.stages[0].notes["captures"]
+    on_captures = _compile(per_layer_helper_dicts, {"dp": 2}, x).captures
     assert (on_captures.blocks, on_captures.distinct) == (4, 2)
     assert programs[True] == programs[False]
     assert [line.split(", ")[-1].split(")")[0] for line in programs[True].splitlines()
@@ -198,7 +198,7 @@ def test_a_field_the_model_sets_on_a_shared_child_reaches_every_layer(per_layer:
     for on in (True, False):
         with sharing(on, monkeypatch):
             pm = _compile(functools.partial(SetsSharedChild, per_layer), {"dp": 2}, x)
-            programs[on], captures[on] = pm.program(0), pm._compiled.stages[0].notes["captures"]
+            programs[on], captures[on] = pm.program(0), pm.captures
     assert "the model's forward sets gain.gain" in captures[True].reason
     assert programs[True] == programs[False]
     wanted = ["1.0", "2.0", "3.0", "4.0"] if per_layer else ["2.0"] * 4
@@ -276,7 +276,7 @@ def test_a_layer_the_user_set_apart_is_not_shared_with_the_others(variant: str,
         for on in (True, False):
             with sharing(on, monkeypatch):
                 pms[on] = _compile(build, axes, x, plan, **kw)
-        captures = pms[True]._compiled.stages[0].notes["captures"]
+        captures = pms[True].captures
         if APART[variant] is None:
             assert captures.whole, captures
         else:
@@ -310,7 +310,7 @@ def test_a_model_with_its_kv_cache_on_shares_its_blocks(monkeypatch: pytest.Monk
     tokens = (torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0)),)
     with sharing(True, monkeypatch):
         on = _compile(build, {"dp": 2, "tp": 2}, tokens, fxpar.Plan(tp="hf"))
-    captures = on._compiled.stages[0].notes["captures"]
+    captures = on.captures
     assert (captures.whole, captures.blocks, captures.distinct) == (False, 3, 1), captures
     assert built[0].config.use_cache
     with sharing(False, monkeypatch):
@@ -326,7 +326,7 @@ def test_sharing_escape_hatch_traces_every_layer(monkeypatch: pytest.MonkeyPatch
         pm = _compile(functools.partial(llama, n_layers=3, **SMALL), {"dp": 2, "tp": 2}, TOKENS, llama_plan())
         for r in range(4):
             pm.program(r)
-    assert pm._compiled.stages[0].notes["captures"].whole
+    assert pm.captures.whole
     assert pm._compiled.roles.count() == 0
 
 
@@ -467,7 +467,7 @@ def test_copied_stage_captures_equal_a_fresh_capture(name: str, build: object, a
     pm = _compile(build, axes, inputs, fxpar.Plan(**plan, schedule="interleaved-1f1b", microbatches=2),
                   loss_fn=next_token_loss)
     assert checked == twins
-    assert pm._compiled.stages[0].notes["captures"].stages_copied == len(twins)
+    assert pm.captures.stages_copied == len(twins)
 
 
 def _assert_same_capture(copy: object, fresh: object) -> None:
@@ -504,7 +504,7 @@ def test_names_a_trace_dropped_are_taken_where_it_made_them(family: str, monkeyp
     for on in (True, False):
         with sharing(on, monkeypatch):
             pm = _compile(build, {"dp": 2}, hf_families.inputs("llama"))
-            assert pm._compiled.stages[0].notes["captures"].whole is not on
+            assert pm.captures.whole is not on
             texts[on] = pm.program(1)
     assert texts[True] == texts[False]
 
@@ -518,7 +518,7 @@ def test_a_block_sums_outside_gradients_in_the_whole_model_order(monkeypatch: py
     for on in (True, False):
         with sharing(on, monkeypatch):
             pm = _compile(hf_families.bart, {"dp": 2}, hf_families.inputs("bart"))
-            assert pm._compiled.stages[0].notes["captures"].whole is not on
+            assert pm.captures.whole is not on
             texts[on] = pm.program(1)
     assert texts[True] == texts[False]
 
@@ -538,7 +538,7 @@ def test_a_blocks_one_contribution_is_added_where_the_whole_model_adds_it(monkey
         for on in (True, False):
             with sharing(on, monkeypatch):
                 pm = _compile(encoder_decoder, axes, inputs, plan, loss_fn=mean_square)
-                assert pm._compiled.stages[0].notes["captures"].whole is not on
+                assert pm.captures.whole is not on
                 texts[on] = [(pm.program(r, verbosity=2), pm.ledger(r)) for r in range(2)]
         assert texts[True] == texts[False]
 
@@ -571,13 +571,13 @@ def test_mixed_precision_blocks_reading_a_childs_weight_are_shared_as_traced_who
     for on in (True, False):
         with sharing(on, monkeypatch):
             pm = _compile(functools.partial(AttentionEncoder, layers=3), {"dp": 2}, tokens, plan)
-            assert pm._compiled.stages[0].notes["captures"].whole is not on, pm_reason(pm)
+            assert pm.captures.whole is not on, pm_reason(pm)
             texts[on] = pm.program(1)
     assert texts[True] == texts[False]
 
 
 def pm_reason(pm: fxpar.ParallelModule) -> str:
-    return pm._compiled.stages[0].notes["captures"].reason
+    return pm.captures.reason
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA mesh is traced on CUDA's kernels: needs a GPU")
@@ -597,7 +597,7 @@ def test_blocks_are_shared_on_a_cuda_mesh(family: str, plan: object, monkeypatch
 
     with sharing(True, monkeypatch):
         on = compiled()
-    assert not on._compiled.stages[0].notes["captures"].whole, on._compiled.stages[0].notes["captures"]
+    assert not on.captures.whole, on.captures
     with sharing(False, monkeypatch):
         off = compiled()
     for rank in (0, on._compiled.mesh.size - 1):
@@ -685,7 +685,7 @@ def test_block_state_is_traced_outside_the_model_and_put_back(axes: dict, embed:
     for on in (True, False):
         with sharing(on, monkeypatch):
             pm = _compile(functools.partial(_GatedStack, embed=embed), axes, inputs, loss_fn=_square_loss)
-            assert pm._compiled.stages[0].notes["captures"].whole is not on
+            assert pm.captures.whole is not on
             texts[on] = [pm.program(r) + pm.ledger_table(r) + str(pm.memory(r)) for r in range(2)]
     stripped = [s for s in stripped if s is not None]  # (sharing off: no blocks, nothing to strip)
     assert sum(len(s.hidden) for s in stripped) == 4 * 3  # proj.bias, gain, offset of each layer
@@ -720,7 +720,7 @@ def test_state_a_stage_holds_but_never_reads_stays_on_it_with_blocks_shared(monk
         with sharing(on, monkeypatch):
             pm = _compile(_GatedStackWithSpareState, {"pp": 2}, inputs, fxpar.Plan(stages=2, microbatches=2),
                           loss_fn=_square_loss, example_targets=inputs[0])
-            assert pm._compiled.stages[0].notes["captures"].whole is not on
+            assert pm.captures.whole is not on
             texts[on] = [pm.program(r) + pm.ledger_table(r) + str(pm.memory(r)) for r in range(2)]
             states[on] = {fqn for p in pm._compiled.stages for fqn, _ in (*p.signature.params, *p.signature.buffers)}
     assert {"spare", "unread"} <= states[True] == states[False]

@@ -46,7 +46,7 @@ def test_layers_ignoring_an_argument_share_across_stages_as_the_whole_model(
         axes: dict[str, int], stages: int, monkeypatch: pytest.MonkeyPatch) -> None:
     shared, pm = _programs(PositionsIgnored, axes, stages, True, monkeypatch)
     whole, _ = _programs(PositionsIgnored, axes, stages, False, monkeypatch)
-    captures = pm._compiled.stages[0].notes["captures"]
+    captures = pm.captures
     assert (captures.whole, captures.blocks, captures.distinct) == (False, 4, 1), captures
     assert shared == whole
 
@@ -54,7 +54,7 @@ def test_layers_ignoring_an_argument_share_across_stages_as_the_whole_model(
 def test_an_ignored_argument_from_the_input_captures_the_pipeline_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     shared, pm = _programs(InputMaskIgnored, {"pp": 2}, 2, True, monkeypatch)
     whole, _ = _programs(InputMaskIgnored, {"pp": 2}, 2, False, monkeypatch)
-    captures = pm._compiled.stages[0].notes["captures"]
+    captures = pm.captures
     assert captures.whole and "read only by blocks that ignore it" in captures.reason, captures
     assert shared == whole
 

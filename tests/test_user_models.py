@@ -82,7 +82,7 @@ def test_a_torchtitan_llama_with_layers_in_a_module_dict_splits_into_stages_and_
                            loss_fn=loss, example_targets=tokens)
     assert "# holds   tok_embeddings, layers.0-1" in pm.program(0)
     assert "# holds   layers.2-3, norm, output" in pm.program(2)
-    assert pm._compiled.stages[0].notes["captures"].distinct == 1
+    assert pm.captures.distinct == 1
     assert {r.axis for r in pm.ledger(0)} == {"tp", "pp"}
     assert_equivalent(titan_llama, {"pp": 2, "tp": 2}, plan, (tokens,), steps=3, loss_fn=loss, targets=tokens)
 
