@@ -185,8 +185,9 @@ def drop_out_meta(site_ids: list[int]) -> None:
 
 
 def find_blocks(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> dict[str, torch.nn.Module]:
-    """The modules that may be traced once: children of a ``BLOCK_CONTAINERS`` container with a sibling of the
-    same structure, not nested in another such block, holding no parameter another block holds, with no hooks.
+    """The modules that may be traced once: children of a ``BLOCK_CONTAINERS`` container (through nested lists and
+    dicts of modules) with a sibling of the same structure, not nested in another such block, holding no parameter
+    another block holds, with no hooks.
     ``exclude``: module paths inside which something must stay visible (a pipeline stage starting there)."""
     found: dict[str, torch.nn.Module] = {}
     for name, mod in model.named_modules():
@@ -194,7 +195,7 @@ def find_blocks(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> dict[s
             continue
         if any(name == p or name.startswith(p + ".") for p in found):
             continue
-        kids = {f"{name}.{c}" if name else c: m for c, m in mod.named_children()}
+        kids = _called_children(name, mod)
         counts: dict[Any, int] = {}
         for m in kids.values():
             counts[structure_key(m)] = counts.get(structure_key(m), 0) + 1
@@ -207,6 +208,19 @@ def find_blocks(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> dict[s
             owners.setdefault(id(p), set()).add(path)
     shared = {path for paths in owners.values() if len(paths) > 1 for path in paths}
     return {p: m for p, m in found.items() if p not in shared}
+
+
+def _called_children(name: str, container: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The children of ``container`` by path, and in place of a child that is a list or dict of modules (never
+    called itself: ``groups.0`` of ``for g in self.groups: for layer in g:``), that child's own, recursively."""
+    out: dict[str, torch.nn.Module] = {}
+    for c, m in container.named_children():
+        path = f"{name}.{c}" if name else c
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            out.update(_called_children(path, m))
+        else:
+            out[path] = m
+    return out
 
 
 def _inside(exclude: tuple[str, ...], path: str) -> bool:

@@ -155,6 +155,8 @@ def export_fake(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, .
     if blocks is not None:
         with fake_mode:
             blocks.note_uses(gm.graph)
+            if not blocks.used:  # (a block the model reaches in another way than calling it)
+                raise NotShared("the model calls none of its repeated blocks")
             name_as_whole(gm, blocks)
         detached = detached_state(gm, model, blocks.table)
     return Exported(gm, fake_mode, fake_args, ep.call_spec.out_spec, blocks, share.reason, detached)
