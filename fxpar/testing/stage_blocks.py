@@ -53,6 +53,29 @@ class InputMaskIgnored(PositionsIgnored):
         return self.head(x)
 
 
+class _MaskedLayer(_IgnoringLayer):
+    """Scales its update by a mask it is given."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(x)) * mask
+
+
+class InputMaskRead(PositionsIgnored):
+    """Layers that read a float mask computed from the input's values alone: a later pipeline stage receives it, and
+    since no parameter flows into it, sends no gradient back for it."""
+
+    def __init__(self, width: int = 8, n_layers: int = 4) -> None:
+        super().__init__(width, n_layers)
+        self.layers = nn.ModuleList(_MaskedLayer(width) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x.sum(-1, keepdim=True) > 0).float()
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.head(x)
+
+
 def stage_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A loss the last stage computes from the output and the input it was given as the target."""
     return (out - x[..., :3]).pow(2).mean()
