@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from fxpar.backward_split import split_backward
 from fxpar.blocks import BLOCK_OPS
+from fxpar.boundary_args import boundary_arg, carrying_gradients
 from fxpar.capture import Sharing, capture, capture_joint, export_fake, with_shared_blocks
 from fxpar.capture_memo import reused
 from fxpar.capture_twins import CaptureTwins, moved_capture
@@ -298,7 +299,7 @@ def _capture_stages(model: torch.nn.Module, mesh: Mesh, flat: list[Any], stages:
     twins = CaptureTwins(exported, model, len(split.stages))
     carry = carrying_gradients(exported.gm, model)
     for sg in split.stages:
-        args = [_boundary_arg(sg.gm, name, exported, name in carry) for name in sg.received]
+        args = [boundary_arg(sg.gm, name, exported.fake_mode, name in carry) for name in sg.received]
         args += [exported.fake_args[i] for i in sg.user_inputs]
         t0 = time.perf_counter()
         info = StageInfo(sg.index, len(split.stages), tuple(sg.received), tuple(sg.user_inputs), tuple(sg.sent),
@@ -364,31 +365,6 @@ def _with_batch(prog: Program, user_inputs: list[Any]) -> Program:
     knows it is the batch (``passes.annotate`` places received values by it)."""
     batch = next((x.shape[0] for x in user_inputs if isinstance(x, torch.Tensor) and x.ndim >= 1), None)
     return prog.replace(notes={**prog.notes, "batch": batch})
-
-
-def _boundary_arg(gm: torch.fx.GraphModule, name: str, exported: Any, carries: bool) -> torch.Tensor:
-    """A fake tensor for a received boundary value; a floating value a trainable parameter flows into (``carries``)
-    requires grad: its gradient is sent back. (A mask computed from the inputs alone has none to send.)"""
-    import re
-
-    ph = next(p for p in gm.graph.nodes if p.op == "placeholder" and p.name == re.sub(r"\W", "_", name))
-    val = ph.meta["val"]
-    with exported.fake_mode:
-        t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-    return t.requires_grad_(val.is_floating_point() and carries)
-
-
-def carrying_gradients(gm: torch.fx.GraphModule, model: torch.nn.Module) -> set[str]:
-    """The exported forward's values a trainable parameter flows into: only these can carry a parameter's gradient
-    (the model's inputs never require grad: ``refuse_inputs_needing_grad``). Flowing through an op that has no
-    derivative still counts: the set may hold too much (a gradient of zeros sent), never too little."""
-    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    carry: set[str] = set()
-    for n in gm.graph.nodes:
-        if (n.op == "get_attr" and n.target in trainable) or \
-                (n.op != "get_attr" and any(a.name in carry for a in n.all_input_nodes)):
-            carry.add(n.name)
-    return carry
 
 
 def flat_user_inputs(compiled: Compiled, args: tuple[Any, ...], targets: bool = True) -> tuple[list[Any], Any]:
