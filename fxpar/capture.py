@@ -26,7 +26,7 @@ from fxpar.batch_norm import CAPTURE_DECOMPOSITIONS
 from fxpar.block_chain import ChainBroken, ChainRouter, chains_enabled, expand_chains, plan_chains
 from fxpar.block_reads import no_attribute_writes
 from fxpar.block_state import Stripped, detached_state, held_elsewhere, restore_block_state, strip_block_state
-from fxpar.blocks import SHARING_ENV, BlockTable, NotShared, find_blocks, opaque_blocks, sharing_enabled
+from fxpar.blocks import BlockTable, NotShared, find_blocks, opaque_blocks
 from fxpar.buffer_writes import buffer_writes_as_copies
 from fxpar.creation_order import recording_names
 from fxpar.errors import CaptureError
@@ -36,6 +36,7 @@ from fxpar.mesh import Mesh
 from fxpar.mixed_precision import computing_in
 from fxpar.moe import experts_as_ops
 from fxpar.reparametrize import swapped_in
+from fxpar.sharing import Sharing, with_shared_blocks
 from fxpar.simplify import (
     bias_after_token_view,
     bmm_over_heads,
@@ -46,9 +47,10 @@ from fxpar.simplify import (
 from fxpar.source import _clean_module_path, traced_provenance, user_source
 from fxpar.split import CONTEXT_AXIS
 from fxpar.state_guard import model_state_unchanged, uninitialized
-from fxpar.stitch import Blocks, Captures, name_as_whole, stitch, without_onednn
+from fxpar.stitch import Blocks, Captures, stitch, without_onednn
 from fxpar.token_rows import token_rows_unflattened
 from fxpar.trace_errors import explain_trace_failure
+from fxpar.whole_names import name_as_whole
 
 _BLOCKS_FILE = os.path.abspath(_blocks_module.__file__)
 log = logging.getLogger("fxpar.capture")
@@ -73,29 +75,6 @@ def _capture(model: torch.nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...]
     exported = export_fake(model, mesh, example_inputs, share=share, param_dtype=param_dtype, detach=True)
     prog = capture_joint(exported.gm, exported, model, mesh, exported.fake_args)
     return prog.replace(notes={**prog.notes, "captures": exported.captures})
-
-
-@dataclass(frozen=True)
-class Sharing:
-    """Whether to trace repeated blocks once (``on``), and if not, why."""
-
-    on: bool
-    reason: str = ""
-
-
-def with_shared_blocks(build: Callable[[Sharing], T]) -> T:
-    """``build(Sharing(True))`` (repeated blocks traced once); where that cannot be proven to give the whole-model
-    graph (``NotShared``) or fails, ``build(Sharing(False, why))``: every layer traced, the user's errors raised."""
-    if not sharing_enabled():
-        return build(Sharing(False, f"{SHARING_ENV}=0"))
-    try:
-        return build(Sharing(True))
-    except Exception as e:  # noqa: BLE001 - the whole-model capture decides what the user sees
-        log.debug("repeated blocks not shared (%s: %s); tracing the whole model", type(e).__name__, e)
-        reason = f"{type(e).__name__}: {e}"
-    # outside the except clause: an error of the whole-model capture must not chain to the shared attempt's
-    # (error reports walk the chain for the user's line)
-    return build(Sharing(False, reason))
 
 
 @dataclass

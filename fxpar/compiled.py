@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from fxpar.backward_split import split_backward
 from fxpar.blocks import BLOCK_OPS
 from fxpar.boundary_args import boundary_arg, carrying_gradients
-from fxpar.capture import Sharing, capture, capture_joint, export_fake, with_shared_blocks
+from fxpar.capture import capture, capture_joint, export_fake
 from fxpar.capture_memo import reused
 from fxpar.capture_twins import CaptureTwins, moved_capture
 from fxpar.errors import PlanError
@@ -39,6 +39,7 @@ from fxpar.plan import Plan, as_plan
 from fxpar.random_draws import warn_if_not_the_single_devices
 from fxpar.roles import Roles
 from fxpar.schedules import Schedule, make_schedule
+from fxpar.sharing import Sharing, with_shared_blocks
 from fxpar.split import CONTEXT_AXIS, batch_ranks
 from fxpar.stage_state import warn_if_state_held_by_no_stage
 from fxpar.stage_twins import Shift, find_twins

@@ -71,3 +71,18 @@ def warn_if_state_held_by_no_stage(model: torch.nn.Module, programs: list[Progra
                              f"the model's forward reads none of them: {shown}. pm.parameters(), pm.state_dict() "
                              "and fxpar.checkpoint leave them out (the model keeps its own values); without "
                              "stages every rank holds them")
+
+
+def constants_stay_constants(sub: fx.GraphModule, gm: fx.GraphModule) -> None:
+    """Tensors the export lifted out of the model's code (``torch.tensor(...)`` in a forward) are plain attributes of
+    ``gm``, which AOTAutograd bakes into the graph as constants; ``fx.GraphModule`` registers every copied tensor
+    attribute as a buffer, which would make each one a stage input named like a model buffer the model does not
+    have. Put them back as plain attributes, as in the whole-model capture."""
+    buffers = dict(gm.named_buffers())
+    for n in sub.graph.nodes:
+        if n.op == "get_attr" and n.target not in buffers:
+            owner_path, _, leaf = n.target.rpartition(".")
+            owner = sub.get_submodule(owner_path)
+            value = owner._buffers.pop(leaf, None)
+            if value is not None:
+                setattr(owner, leaf, value)

@@ -27,7 +27,7 @@ from fxpar.blocks import BLOCK_CONTAINERS
 from fxpar.capture import _clean_module_path
 from fxpar.errors import PlanError, close_matches
 from fxpar.ir import graph_module
-from fxpar.stage_state import hold_unread_state
+from fxpar.stage_state import constants_stay_constants, hold_unread_state
 from fxpar.structure import structure_of
 
 aten = torch.ops.aten
@@ -401,23 +401,8 @@ def _build_stage(gm: fx.GraphModule, stage: dict[fx.Node, int], s: int, needed: 
     g.output(tuple(outs))
     g.eliminate_dead_code()
     sub = graph_module(gm, g)
-    _constants_stay_constants(sub, gm)
+    constants_stay_constants(sub, gm)
     return StageGraph(s, sub, [a.name for a in received], used_inputs, sent)
-
-
-def _constants_stay_constants(sub: fx.GraphModule, gm: fx.GraphModule) -> None:
-    """Tensors the export lifted out of the model's code (``torch.tensor(...)`` in a forward) are plain attributes of
-    ``gm``, which AOTAutograd bakes into the graph as constants; ``fx.GraphModule`` registers every copied tensor
-    attribute as a buffer, which would make each one a stage input named like a model buffer the model does not
-    have. Put them back as plain attributes, as in the whole-model capture."""
-    buffers = dict(gm.named_buffers())
-    for n in sub.graph.nodes:
-        if n.op == "get_attr" and n.target not in buffers:
-            owner_path, _, leaf = n.target.rpartition(".")
-            owner = sub.get_submodule(owner_path)
-            value = owner._buffers.pop(leaf, None)
-            if value is not None:
-                setattr(owner, leaf, value)
 
 
 def _closure(roots: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
