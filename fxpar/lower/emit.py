@@ -43,6 +43,7 @@ class Emitter:
         self.groups: dict[str, tuple[int, ...]] = {}  # symbolic name -> ranks, of every group emitted
         self.site = Site()
         self._values = _FAKE.values()  # fake outputs by op and input metadata (``fake_value``)
+        self.recording: list[tuple[fx.Node, str | None]] | None = None  # what ``emit`` makes, with the name asked
 
     def at(self, **changes: Any) -> AbstractContextManager[None]:
         """Emit with ``site`` changed by ``changes`` inside the ``with`` block (lowering enters a few per node:
@@ -78,6 +79,8 @@ class Emitter:
         node.meta["for_node"] = site.for_node
         if site.recompute:
             node.meta["fxpar_recompute"] = True
+        if self.recording is not None:  # ``fxpar.lower.replay``
+            self.recording.append((node, name))
         return node
 
     def fake_value(self, target: Any, args: tuple, kwargs: dict) -> Any:

@@ -26,6 +26,7 @@ from fxpar.lower.grads import StepCollectives
 from fxpar.lower.layout import TracedLayout
 from fxpar.lower.program import RankProgram
 from fxpar.lower.random_draws import WholeDraws, draws_numbers
+from fxpar.lower.replay import LayerReplay
 from fxpar.lower.shapes import LocalShapes, localize
 from fxpar.mesh import Mesh
 from fxpar.random_draws import DRAWS_ON_SHAPE, is_sharded
@@ -84,6 +85,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask, Whol
         self.recompute: frozenset[str] = prog.notes.get("recompute", frozenset())
         self.experts = ExpertLowering(self) if self.mesh.axes.get(EXPERT_AXIS, 1) > 1 else None
         self.planned = {name for name, _ in prog.notes.get("redistribute", {})}  # a placement change on an input
+        self.replays = LayerReplay(self)  # a repeated layer's nodes lowered as their first copy was
 
     # -- redistribution ------------------------------------------------------------------
     def redistribute(self, producer: str, dst: Placements, steps: tuple[Step, ...], module: str) -> fx.Node:
@@ -124,7 +126,7 @@ class Lowerer(CollectiveEmitter, StepCollectives, FlatBuckets, ContextMask, Whol
                 elif node.op == "get_attr":
                     self.get_attr(node)
                 elif node.op == "call_function":
-                    self.call(node, plan, prov.module if prov else "")
+                    self.replays.call(node, plan, prov.module if prov else "", in_place)
                     for dst, steps in in_place.get(node.name, ()):
                         with self.at(phase="bwd"):
                             self.redistribute(node.name, dst, steps, "")
