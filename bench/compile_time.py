@@ -38,6 +38,7 @@ import gc
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -149,6 +150,40 @@ def fxpar_405b(layers: int) -> dict[str, Any]:
             "captures": str(pm.captures)}
 
 
+def replay_70b(layers: int, pairs: int = 10) -> dict[str, Any]:
+    """Lowering rank 37 of the 70B layout with replay (``fxpar/lower/replay.py``) on and off, in turn in one process:
+    ``pairs`` of each (CPU s), a ``gc.collect()`` outside each timed span, and whether the two programs print the
+    same."""
+    import fxpar
+    from fxpar.lower import lower, replay
+    from fxpar.models.llama import hf_llama_plan
+    from fxpar.printer import print_rank_program
+
+    model, args = build(W70, layers, BATCH70)
+    prog = fxpar.parallelize(model, fxpar.Mesh(MESH70, fake=True), args, plan=hf_llama_plan())._prog
+    made: list[replay.LayerReplay] = []
+    init = replay.LayerReplay.__init__
+
+    def kept(self: replay.LayerReplay, lw: Any) -> None:
+        init(self, lw)
+        made.append(self)
+
+    replay.LayerReplay.__init__ = kept  # type: ignore[method-assign]
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    texts = {}
+    for _ in range(pairs):
+        for mode in ("off", "on"):
+            os.environ[replay.REPLAY_ENV] = "1" if mode == "on" else "0"
+            t = time.process_time()
+            rp = lower(prog, 37)
+            times[mode].append(time.process_time() - t)
+            texts[mode] = print_rank_program(prog, rp)
+            gc.collect()
+    last = made[-1]
+    return {"lower_cpu_s": times, "same_program": texts["on"] == texts["off"], "replayed": last.replayed,
+            "recorded": len(last.recorded)}
+
+
 def nodes_70b(layers: int) -> dict[str, Any]:
     """The fx nodes ``parallelize`` + ``program(rank=37)`` create at 70B widths, by the fxpar file that made them (an
     exact count), and the seconds spent inside ``Graph.create_node`` itself. The compile as a whole is not timed
@@ -212,7 +247,7 @@ def _maker(frame: Any, roots: dict[str, str]) -> str:
 def worker_main(kind: str, layers: int) -> None:
     """Entry point of a worker subprocess: print one ``RESULT {json}`` line."""
     out = {"export70": lambda: bare_export(W70, layers, BATCH70), "fxpar70": lambda: fxpar_70b(layers),
-           "nodes70": lambda: nodes_70b(layers),
+           "nodes70": lambda: nodes_70b(layers), "replay70": lambda: replay_70b(layers),
            "export405": lambda: bare_export(W405, layers, BATCH405), "fxpar405": lambda: fxpar_405b(layers)}[kind]()
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out))
@@ -283,6 +318,16 @@ def table_nodes(counts: dict[int, dict[str, Any]], r70: dict[int, dict[str, Any]
             f"({per_layer_ms['create'] / per_layer_ms['fxpar']:.0%})."]
 
 
+def table_replay(r: dict[str, Any], layers: int) -> list[str]:
+    med = {mode: statistics.median(v) for mode, v in r["lower_cpu_s"].items()}
+    low = {mode: min(v) for mode, v in r["lower_cpu_s"].items()}
+    return [f"Lowering replay at {layers} layers (`lower(prog, 37)`, off and on in turn in one process, "
+            f"{len(r['lower_cpu_s']['on'])} of each, CPU s): median off {med['off']:.2f}, on {med['on']:.2f} "
+            f"(**{med['on'] / med['off']:.2f}x**); fastest off {low['off']:.2f}, on {low['on']:.2f} "
+            f"({low['on'] / low['off']:.2f}x); {r['replayed']:,} nodes replayed from {r['recorded']:,} recorded "
+            f"lowerings; programs identical: {r['same_program']}."]
+
+
 def table_405b(e: dict[str, Any], f: dict[str, Any]) -> list[str]:
     new = max(p["cpu"] for p in f["programs"].values())
     rows = [[f"{e['export']['cpu']:.1f}", f"{f['parallelize']['cpu']:.1f}",
@@ -307,7 +352,7 @@ def main() -> None:
     parser.add_argument("--layers", default="8,80", help="comma-separated layer counts at 70B widths")
     parser.add_argument("--repeats", type=int, default=2, help="fresh-process runs per measurement (fastest kept)")
     parser.add_argument("--no-405b", action="store_true", help="skip the 405B case")
-    parser.add_argument("--worker", choices=["export70", "fxpar70", "nodes70", "export405", "fxpar405"],
+    parser.add_argument("--worker", choices=["export70", "fxpar70", "nodes70", "replay70", "export405", "fxpar405"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--no-readme", action="store_true", help="print only; leave bench/README.md as it is")
     args = parser.parse_args()
@@ -322,6 +367,8 @@ def main() -> None:
     if len(r70) > 1:
         data["nodes70"] = {n: run_worker("nodes70", n) for n in (min(r70), max(r70))}
         lines += ["", *table_nodes(data["nodes70"], r70)]
+    data["replay70"] = run_worker("replay70", max(r70))
+    lines += ["", *table_replay(data["replay70"], max(r70))]
     if not args.no_405b:
         e405, f405 = fastest("export405", 126, args.repeats), fastest("fxpar405", 126, args.repeats)
         lines += ["", *table_405b(e405, f405)]
