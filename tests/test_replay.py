@@ -3,17 +3,20 @@
 With replay on (the default) and off (``FXPAR_REPLAY=0``), every rank's program, ledger and memory are
 byte-identical across the features whose lowering replay covers (tensor, sequence, data and pipeline parallel,
 ZeRO-1/2, both recompute policies, biases, fp8, a chosen plan), and most of the lowering is replayed there; where
-it does not apply (ZeRO-3, mixed precision) nothing is. The golden replay (``tests/test_golden.py``) checks the
+it does not apply (ZeRO-3, mixed precision) nothing is. ``FXPAR_REPLAY_SWEEP=1`` also compares the two on every HF
+family of ``fxpar.models.hf_families`` under five plans. The golden replay (``tests/test_golden.py``) checks the
 same against the stored programs, and every gloo equivalence test runs with replay on.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import fxpar
 from fxpar.lower import replay
@@ -67,14 +70,14 @@ def replays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[replay.LayerReplay
     yield made
 
 
-def _texts(case: tuple, monkeypatch: pytest.MonkeyPatch, on: bool) -> list[str]:
+def _texts(case: tuple, monkeypatch: pytest.MonkeyPatch, on: bool, inputs: tuple = TOKENS) -> list[str]:
     """Every rank's program, ledger and memory report, compiled with replay ``on`` or off."""
     build, axes, kw = case
     monkeypatch.setenv(replay.REPLAY_ENV, "1" if on else "0")
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fxpar.FxparWarning)
-        pm = fxpar.parallelize(build(), fxpar.Mesh(axes, fake=True), TOKENS, **kw)
+        pm = fxpar.parallelize(build(), fxpar.Mesh(axes, fake=True), inputs, **kw)
     ranks = range(pm.mesh.size)
     return [f"{pm.program(rank=r)}\n{pm.ledger(r)}\n{pm.memory(r)}" for r in ranks]
 
@@ -98,3 +101,41 @@ def test_lowerings_replay_cannot_cover_lower_every_node(name: str, monkeypatch: 
                                                         replays: list[replay.LayerReplay]) -> None:
     _texts(NOT_REPLAYED[name], monkeypatch, on=True)
     assert replays and not any(r.on or r.replayed for r in replays)
+
+
+SWEEP_PLANS = {  # HF families under plans of their own tp plan (a family without one is skipped) and plain ZeRO-2
+    "tp2_hf_sp": ({"tp": 2}, fxpar.Plan(tp="hf", sequence_parallel=True)),
+    "dp2_tp2_hf_full_recompute": ({"dp": 2, "tp": 2}, fxpar.Plan(tp="hf", recompute="full")),
+    "dp2_tp2_hf_zero1_selective": ({"dp": 2, "tp": 2}, fxpar.Plan(tp="hf", zero=1, recompute="selective")),
+    "pp2_tp2_hf": ({"pp": 2, "tp": 2}, fxpar.Plan(tp="hf", stages=2, microbatches=2)),
+    "dp2_zero2": ({"dp": 2}, fxpar.Plan(zero=2)),
+}
+
+
+def _sweep_cases() -> list[tuple[str, str]]:
+    """(family, plan) pairs of the opt-in sweep (``FXPAR_REPLAY_SWEEP=1``; about 8 minutes on 2 cores)."""
+    if os.environ.get("FXPAR_REPLAY_SWEEP") != "1":
+        return []
+    from fxpar.models import hf_families
+
+    return [(f, p) for p in SWEEP_PLANS for f in hf_families.FAMILIES]
+
+
+def _mean_square(out: object, targets: object = None) -> torch.Tensor:
+    leaf = next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return leaf.float().pow(2).mean()
+
+
+@pytest.mark.parametrize(("family", "plan_name"), _sweep_cases(), ids=[f"{f}-{p}" for f, p in _sweep_cases()])
+def test_replay_on_equals_off_on_hf_families(family: str, plan_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpar.models import hf_families
+
+    monkeypatch.setenv("FXPAR_SHARE_MIN", "2")  # the families have 2 layers: the second is replayed
+    axes, plan = SWEEP_PLANS[plan_name]
+    kw = dict(plan=plan, loss_fn=_mean_square) if "pp" in axes else dict(plan=plan)
+    case = (hf_families.builder(family), axes, kw)
+    try:
+        off = _texts(case, monkeypatch, on=False, inputs=hf_families.inputs(family))
+    except fxpar.PlanError as e:
+        pytest.skip(f"{family} under {plan_name}: {e}")
+    assert _texts(case, monkeypatch, on=True, inputs=hf_families.inputs(family)) == off
