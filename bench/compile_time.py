@@ -25,6 +25,8 @@ than to whatever the user runs next; the export side is charged its own collecti
 With two or more layer counts, a ``nodes70`` worker at the lowest and highest counts (untimed) counts every
 ``torch.fx.Graph.create_node`` call of ``parallelize`` + ``program(rank=37)`` by the fxpar file that made it and
 times the call itself: an exact, machine-independent account of where each added layer's cost goes.
+A ``replay70`` worker at the highest count lowers rank 37 with lowering replay (``fxpar/lower/replay.py``) off and
+on in turn in one process (10 of each) and checks that the two programs print the same.
 
 Times are CPU seconds of the worker process (single-threaded tracing work: CPU = wall on an idle machine;
 both are in the JSON). Results go to ``bench/results/compile_time.json`` and the ``compile`` section of
